@@ -1,0 +1,164 @@
+// Torch ops over the cast kernels (kernels/cast.h, kernels/delayed_scaling.h): validate,
+// fill the params struct, run on the tensor's device. Outputs are caller-provided buffers so
+// quantizers can write into their own storage; tpfp8/ops.py allocates them for casual use.
+#include <torch/library.h>
+
+#include "checks.h"
+#include "device_dispatch.h"
+#include "kernels/cast.h"
+#include "kernels/delayed_scaling.h"
+
+namespace tpfp8 {
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+
+float* optional_f32(const OptTensor& t, const char* name, const at::Tensor& ref) {
+  if (!t.has_value()) return nullptr;
+  check_scalar_f32(*t, name, ref, "input");
+  return t->data_ptr<float>();
+}
+
+uint8_t* optional_fp8_out(const OptTensor& t, const char* name, at::IntArrayRef sizes,
+                          const at::Tensor& ref) {
+  if (!t.has_value()) return nullptr;
+  check_output(*t, name, sizes, at::kByte, ref);
+  return t->data_ptr<uint8_t>();
+}
+
+CastParams cast_params(const at::Tensor& input, const at::Tensor& scale, int64_t fp8_format) {
+  check_2d(input, "input");
+  check_contiguous(input, "input");
+  CastParams p;
+  p.dtype = high_precision_dtype(input, "input");
+  p.format = fp8_format_from(fp8_format);
+  check_scalar_f32(scale, "scale", input, "input");
+  p.input = input.data_ptr();
+  p.rows = input.size(0);
+  p.cols = input.size(1);
+  p.scale = scale.data_ptr<float>();
+  return p;
+}
+
+void quantize(const at::Tensor& input, const at::Tensor& scale, at::Tensor& out,
+              const OptTensor& amax, const OptTensor& scale_inv, int64_t fp8_format) {
+  CastParams p = cast_params(input, scale, fp8_format);
+  check_output(out, "out", input.sizes(), at::kByte, input);
+  p.rowwise = out.data_ptr<uint8_t>();
+  p.amax = optional_f32(amax, "amax", input);
+  p.scale_inv = optional_f32(scale_inv, "scale_inv", input);
+  run_on_device(input, [&] { cast_cpu(p); }, [&](cudaStream_t s) { return quantize_cuda(p, s); });
+}
+
+void cast_transpose(const at::Tensor& input, const at::Tensor& scale, const OptTensor& rowwise,
+                    const OptTensor& columnwise, const OptTensor& amax,
+                    const OptTensor& scale_inv, int64_t fp8_format) {
+  CastParams p = cast_params(input, scale, fp8_format);
+  TORCH_CHECK(rowwise.has_value() || columnwise.has_value(),
+              "cast_transpose needs at least one of rowwise / columnwise outputs");
+  p.rowwise = optional_fp8_out(rowwise, "rowwise", {p.rows, p.cols}, input);
+  p.columnwise = optional_fp8_out(columnwise, "columnwise", {p.cols, p.rows}, input);
+  p.amax = optional_f32(amax, "amax", input);
+  p.scale_inv = optional_f32(scale_inv, "scale_inv", input);
+  run_on_device(input, [&] { cast_cpu(p); },
+                [&](cudaStream_t s) { return cast_transpose_cuda(p, s); });
+}
+
+void transpose_fp8(const at::Tensor& input, at::Tensor& out) {
+  check_2d(input, "input");
+  check_fp8_storage(input, "input");
+  const int64_t rows = input.size(0), cols = input.size(1);
+  check_output(out, "out", {cols, rows}, at::kByte, input);
+  const uint8_t* in = input.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  run_on_device(input, [&] { transpose_fp8_cpu(in, rows, cols, o); },
+                [&](cudaStream_t s) { return transpose_fp8_cuda(in, rows, cols, o, s); });
+}
+
+void dequantize(const at::Tensor& input, const at::Tensor& scale_inv, int64_t fp8_format,
+                at::Tensor& out) {
+  check_fp8_storage(input, "input");
+  check_scalar_f32(scale_inv, "scale_inv", input, "input");
+  DequantizeParams p;
+  p.out_dtype = high_precision_dtype(out, "out");
+  check_output(out, "out", input.sizes(), out.scalar_type(), input);
+  p.input = input.data_ptr<uint8_t>();
+  p.numel = input.numel();
+  p.format = fp8_format_from(fp8_format);
+  p.scale_inv = scale_inv.data_ptr<float>();
+  p.output = out.data_ptr();
+  run_on_device(input, [&] { dequantize_cpu(p); },
+                [&](cudaStream_t s) { return dequantize_cuda(p, s); });
+}
+
+void amax(const at::Tensor& input, at::Tensor& amax) {
+  check_contiguous(input, "input");
+  const DType dtype = high_precision_dtype(input, "input");
+  check_scalar_f32(amax, "amax", input, "input");
+  const void* in = input.data_ptr();
+  float* a = amax.data_ptr<float>();
+  const int64_t n = input.numel();
+  run_on_device(input, [&] { amax_cpu(in, dtype, n, a); },
+                [&](cudaStream_t s) { return amax_cuda(in, dtype, n, a, s); });
+}
+
+void delayed_scaling_update(at::Tensor& amax_history, at::Tensor& scale, at::Tensor& scale_inv,
+                            const at::Tensor& fp8_max, int64_t margin, bool use_history_max) {
+  TORCH_CHECK(amax_history.dim() == 2 && amax_history.scalar_type() == at::kFloat,
+              "amax_history must be float32 [history_len, num_tensors], got ",
+              amax_history.scalar_type(), " of shape ", shape_str(amax_history));
+  check_contiguous(amax_history, "amax_history");
+  const int64_t n = amax_history.size(1);
+  for (auto [t, name] : {std::pair{&scale, "scale"}, {&scale_inv, "scale_inv"}}) {
+    check_output(*t, name, {n}, at::kFloat, amax_history);
+  }
+  TORCH_CHECK(fp8_max.dim() == 1 && fp8_max.size(0) == n && fp8_max.scalar_type() == at::kFloat,
+              "fp8_max must be float32 [", n, "] (one format max per tensor), got ",
+              fp8_max.scalar_type(), " of shape ", shape_str(fp8_max));
+  check_contiguous(fp8_max, "fp8_max");
+  check_same_device(fp8_max, amax_history, "fp8_max", "amax_history");
+  TORCH_CHECK(margin >= -100 && margin <= 100, "margin must be in [-100, 100], got ", margin);
+  DelayedScalingParams p;
+  p.amax_history = amax_history.data_ptr<float>();
+  p.history_len = amax_history.size(0);
+  p.num_tensors = n;
+  p.scale = scale.data_ptr<float>();
+  p.scale_inv = scale_inv.data_ptr<float>();
+  p.fp8_max = fp8_max.data_ptr<float>();
+  p.margin = static_cast<int>(margin);
+  p.use_history_max = use_history_max;
+  run_on_device(amax_history, [&] { delayed_scaling_update_cpu(p); },
+                [&](cudaStream_t s) { return delayed_scaling_update_cuda(p, s); });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
+  m.def(
+      "quantize(Tensor input, Tensor scale, Tensor(a!) out, Tensor(b!)? amax, "
+      "Tensor(c!)? scale_inv, int fp8_format) -> ()");
+  m.def(
+      "cast_transpose(Tensor input, Tensor scale, Tensor(a!)? rowwise, Tensor(b!)? columnwise, "
+      "Tensor(c!)? amax, Tensor(d!)? scale_inv, int fp8_format) -> ()");
+  m.def("transpose_fp8(Tensor input, Tensor(a!) out) -> ()");
+  m.def("dequantize(Tensor input, Tensor scale_inv, int fp8_format, Tensor(a!) out) -> ()");
+  m.def("amax(Tensor input, Tensor(a!) amax) -> ()");
+  m.def(
+      "delayed_scaling_update(Tensor(a!) amax_history, Tensor(b!) scale, Tensor(c!) scale_inv, "
+      "Tensor fp8_max, int margin, bool use_history_max) -> ()");
+}
+
+#define TPFP8_REGISTER_CAST_OPS(m)                             \
+  m.impl("quantize", &quantize);                               \
+  m.impl("cast_transpose", &cast_transpose);                   \
+  m.impl("transpose_fp8", &transpose_fp8);                     \
+  m.impl("dequantize", &dequantize);                           \
+  m.impl("amax", &amax);                                       \
+  m.impl("delayed_scaling_update", &delayed_scaling_update)
+
+TORCH_LIBRARY_IMPL(tpfp8, CPU, m) { TPFP8_REGISTER_CAST_OPS(m); }
+#if defined(TPFP8_WITH_CUDA)
+TORCH_LIBRARY_IMPL(tpfp8, CUDA, m) { TPFP8_REGISTER_CAST_OPS(m); }
+#endif
+
+}  // namespace tpfp8

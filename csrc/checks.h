@@ -1,0 +1,77 @@
+// Argument checks for the torch layer: one helper per kind of check, each message says what
+// was given, what is needed and how to fix it.
+#pragma once
+
+#include <torch/types.h>
+
+#include <string>
+
+#include "kernels/dtype.h"
+#include "kernels/fp8_format.h"
+
+namespace tpfp8 {
+
+inline std::string shape_str(const at::Tensor& t) { return c10::str(t.sizes()); }
+
+inline void check_2d(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2, name, " must be 2-D [rows, cols], got shape ", shape_str(t),
+              "; reshape it first, e.g. x.reshape(-1, x.shape[-1])");
+}
+
+inline void check_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous (row-major), got strides ",
+              c10::str(t.strides()), "; call .contiguous() first");
+}
+
+inline void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* name,
+                              const char* ref_name) {
+  TORCH_CHECK(t.device() == ref.device(), name, " is on ", t.device(), " but ", ref_name,
+              " is on ", ref.device(), "; move both to the same device");
+}
+
+// A one-element fp32 tensor on ref's device (scale, scale_inv, amax).
+inline void check_scalar_f32(const at::Tensor& t, const char* name, const at::Tensor& ref,
+                             const char* ref_name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1, name,
+              " must be a one-element float32 tensor, got ", t.scalar_type(), " of shape ",
+              shape_str(t));
+  check_same_device(t, ref, name, ref_name);
+}
+
+inline DType high_precision_dtype(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return DType::kFloat32;
+    case at::kBFloat16:
+      return DType::kBFloat16;
+    case at::kHalf:
+      return DType::kFloat16;
+    default:
+      TORCH_CHECK(false, name, " must be float32, bfloat16 or float16, got ", t.scalar_type(),
+                  "; convert it with .float() or .to(torch.bfloat16)");
+  }
+}
+
+inline void check_fp8_storage(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kByte, name,
+              " must hold FP8 codes as torch.uint8, got ", t.scalar_type(),
+              "; view float8 tensors with .view(torch.uint8)");
+  check_contiguous(t, name);
+}
+
+// An output buffer must match exactly what the op writes: no silent resize or reinterpretation.
+inline void check_output(const at::Tensor& out, const char* name, at::IntArrayRef sizes,
+                         at::ScalarType dtype, const at::Tensor& ref) {
+  TORCH_CHECK(out.sizes() == sizes && out.scalar_type() == dtype, name, " must be ", dtype,
+              " of shape ", c10::str(sizes), ", got ", out.scalar_type(), " of shape ",
+              shape_str(out), "; allocate it with that shape and dtype or pass None");
+  check_contiguous(out, name);
+  check_same_device(out, ref, name, "input");
+}
+
+inline Fp8Format fp8_format_from(int64_t code) {
+  TORCH_CHECK(code == 0 || code == 1, "fp8_format must be 0 (E4M3) or 1 (E5M2), got ", code);
+  return static_cast<Fp8Format>(code);
+}
+
+}  // namespace tpfp8

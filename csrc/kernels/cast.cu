@@ -1,0 +1,145 @@
+// Element-wise CUDA kernels of cast.h: quantize, dequantize, amax. Each thread walks the
+// tensor in chunks of 8 elements (one 16-byte access where aligned) over a grid sized to the
+// machine, so the amax costs one atomic per block rather than per chunk.
+#include <cuda_runtime.h>
+
+#include "cast.h"
+#include "cast_device.cuh"
+
+namespace tpfp8 {
+
+int current_sm_count() {
+  static int counts[64] = {0};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 0 || dev >= 64) return 132;
+  if (counts[dev] == 0) cudaDeviceGetAttribute(&counts[dev], cudaDevAttrMultiProcessorCount, dev);
+  return counts[dev] > 0 ? counts[dev] : 132;
+}
+
+namespace {
+
+constexpr int kThreads = 256;
+
+// Grid for `chunks` units of work: enough blocks to fill the machine, no more than needed.
+int grid_for(int64_t chunks, int blocks_per_sm) {
+  const int64_t needed = (chunks + kThreads - 1) / kThreads;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(needed,
+                                                                 current_sm_count() * blocks_per_sm)));
+}
+
+template <typename T, Fp8Format F>
+__global__ void __launch_bounds__(kThreads)
+    quantize_kernel(const T* __restrict__ in, int64_t n, const float* __restrict__ scale_ptr,
+                    uint8_t* __restrict__ out, float* amax, float* scale_inv, bool vec) {
+  const float scale = *scale_ptr;
+  uint32_t local_amax = 0;
+  const int64_t chunks = (n + 7) / 8;
+  for (int64_t ch = blockIdx.x * int64_t{kThreads} + threadIdx.x; ch < chunks;
+       ch += int64_t{gridDim.x} * kThreads) {
+    const int64_t i = ch * 8;
+    if (vec && i + 8 <= n) {
+      const auto pack = *reinterpret_cast<const device::Pack8<T>*>(in + i);
+      *reinterpret_cast<uint2*>(out + i) = device::cast8<F>(pack, scale, local_amax);
+    } else {
+      for (int64_t j = i; j < n && j < i + 8; ++j) {
+        const float x = device::load_float(in[j]);
+        local_amax = max(local_amax, abs_bits(x));
+        out[j] = encode_fp8(x * scale, F);
+      }
+    }
+  }
+  if (amax) device::fold_block_amax(local_amax, amax);
+  if (scale_inv && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / scale;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    dequantize_kernel(const uint8_t* __restrict__ in, int64_t n, Fp8Format format,
+                      const float* __restrict__ scale_inv_ptr, T* __restrict__ out, bool vec) {
+  const float scale_inv = *scale_inv_ptr;
+  const int64_t chunks = (n + 7) / 8;
+  for (int64_t ch = blockIdx.x * int64_t{kThreads} + threadIdx.x; ch < chunks;
+       ch += int64_t{gridDim.x} * kThreads) {
+    const int64_t i = ch * 8;
+    if (vec && i + 8 <= n) {
+      const auto codes = *reinterpret_cast<const device::Pack8<uint8_t>*>(in + i);
+      device::Pack8<T> pack;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) pack.v[j] = from_float<T>(decode_fp8(codes.v[j], format) * scale_inv);
+      *reinterpret_cast<device::Pack8<T>*>(out + i) = pack;
+    } else {
+      for (int64_t j = i; j < n && j < i + 8; ++j) {
+        out[j] = from_float<T>(decode_fp8(in[j], format) * scale_inv);
+      }
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    amax_kernel(const T* __restrict__ in, int64_t n, float* amax, bool vec) {
+  uint32_t local_amax = 0;
+  const int64_t chunks = (n + 7) / 8;
+  for (int64_t ch = blockIdx.x * int64_t{kThreads} + threadIdx.x; ch < chunks;
+       ch += int64_t{gridDim.x} * kThreads) {
+    const int64_t i = ch * 8;
+    if (vec && i + 8 <= n) {
+      const auto pack = *reinterpret_cast<const device::Pack8<T>*>(in + i);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) local_amax = max(local_amax, abs_bits(device::load_float(pack.v[j])));
+    } else {
+      for (int64_t j = i; j < n && j < i + 8; ++j) {
+        local_amax = max(local_amax, abs_bits(device::load_float(in[j])));
+      }
+    }
+  }
+  device::fold_block_amax(local_amax, amax);
+}
+
+}  // namespace
+
+cudaError_t quantize_cuda(const CastParams& p, cudaStream_t stream) {
+  if (p.columnwise != nullptr) return cudaErrorInvalidValue;  // cast_transpose_cuda does that
+  const int64_t n = p.rows * p.cols;  // n == 0 still launches: scale_inv is written
+  dispatch_dtype(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const T* in = static_cast<const T*>(p.input);
+    const bool vec = device::aligned(in, alignof(device::Pack8<T>)) && device::aligned(p.rowwise, 8);
+    const int grid = grid_for((n + 7) / 8, 8);
+    if (p.format == Fp8Format::kE4M3) {
+      quantize_kernel<T, Fp8Format::kE4M3><<<grid, kThreads, 0, stream>>>(
+          in, n, p.scale, p.rowwise, p.amax, p.scale_inv, vec);
+    } else {
+      quantize_kernel<T, Fp8Format::kE5M2><<<grid, kThreads, 0, stream>>>(
+          in, n, p.scale, p.rowwise, p.amax, p.scale_inv, vec);
+    }
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t dequantize_cuda(const DequantizeParams& p, cudaStream_t stream) {
+  if (p.numel == 0) return cudaSuccess;
+  dispatch_dtype(p.out_dtype, [&](auto tag) {
+    using T = decltype(tag);
+    T* out = static_cast<T*>(p.output);
+    const bool vec = device::aligned(out, alignof(device::Pack8<T>)) && device::aligned(p.input, 8);
+    dequantize_kernel<T><<<grid_for((p.numel + 7) / 8, 8), kThreads, 0, stream>>>(
+        p.input, p.numel, p.format, p.scale_inv, out, vec);
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t amax_cuda(const void* input, DType dtype, int64_t numel, float* amax,
+                      cudaStream_t stream) {
+  if (numel == 0) return cudaSuccess;
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const T* in = static_cast<const T*>(input);
+    amax_kernel<T><<<grid_for((numel + 7) / 8, 8), kThreads, 0, stream>>>(
+        in, numel, amax, device::aligned(in, alignof(device::Pack8<T>)));
+  });
+  return cudaGetLastError();
+}
+
+}  // namespace tpfp8

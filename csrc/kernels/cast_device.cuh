@@ -1,0 +1,94 @@
+// Device-side pieces shared by the cast kernels: 8-wide vector access, the hardware FP8
+// conversion, and the block-wide amax fold.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "dtype.h"
+#include "fp8_format.h"
+
+namespace tpfp8 {
+namespace device {
+
+inline bool aligned(const void* p, int bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+// Eight elements, loaded or stored as one (or two) 16-byte accesses when aligned.
+template <typename T>
+struct alignas(8 * sizeof(T) < 16 ? 8 * sizeof(T) : 16) Pack8 {
+  T v[8];
+};
+
+__device__ __forceinline__ float load_float(fp16_t x) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));  // exact; NaN payloads never reach output
+  return f;
+}
+__device__ __forceinline__ float load_float(bf16_t x) { return to_float(x); }
+__device__ __forceinline__ float load_float(float x) { return x; }
+
+// Four scaled values to four FP8 bytes (first value in the lowest byte).
+template <Fp8Format F>
+__device__ __forceinline__ uint32_t encode4(const float* v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const bool any_nan = (v[0] != v[0]) | (v[1] != v[1]) | (v[2] != v[2]) | (v[3] != v[3]);
+  if (!any_nan) {
+    // cvt...satfinite is round-to-nearest-even with saturation: the software encoder's rule.
+    uint16_t lo, hi;
+    if constexpr (F == Fp8Format::kE4M3) {
+      asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(lo) : "f"(v[0]), "f"(v[1]));
+      asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(hi) : "f"(v[2]), "f"(v[3]));
+    } else {
+      asm("cvt.rn.satfinite.e5m2x2.f32 %0, %2, %1;" : "=h"(lo) : "f"(v[0]), "f"(v[1]));
+      asm("cvt.rn.satfinite.e5m2x2.f32 %0, %2, %1;" : "=h"(hi) : "f"(v[2]), "f"(v[3]));
+    }
+    return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+  }
+#endif
+  // NaN (rare): the software path gives the canonical NaN byte whatever the hardware would.
+  uint32_t w = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) w |= static_cast<uint32_t>(encode_fp8(v[j], F)) << (8 * j);
+  return w;
+}
+
+// Converts eight elements, scales, encodes; folds |x| into amax. Returns bytes as uint2.
+template <Fp8Format F, typename T>
+__device__ __forceinline__ uint2 cast8(const Pack8<T>& in, float scale, uint32_t& amax) {
+  float v[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float x = load_float(in.v[j]);
+    amax = max(amax, abs_bits(x));
+    v[j] = x * scale;
+  }
+  return make_uint2(encode4<F>(v), encode4<F>(v + 4));
+}
+
+// Block-wide max of `v`, then one atomic per block into *amax (fp32 >= 0 or NaN, compared
+// as ordered bits). Every thread of the block must call it.
+__device__ __forceinline__ void fold_block_amax(uint32_t v, float* amax) {
+  __shared__ uint32_t warp_max[32];
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  v = __reduce_max_sync(0xFFFFFFFFu, v);
+  if (lane == 0) warp_max[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < static_cast<int>(blockDim.x / 32) ? warp_max[lane] : 0u;
+    v = __reduce_max_sync(0xFFFFFFFFu, v);
+    if (lane == 0 && v != 0) atomicMax(reinterpret_cast<unsigned int*>(amax), v);
+  }
+}
+
+}  // namespace device
+
+// Multiprocessors of the current device, read once per device (no sync, no allocation).
+int current_sm_count();
+
+}  // namespace tpfp8

@@ -1,0 +1,42 @@
+// Delayed-scaling update at the end of a step, for n tensors in one launch.
+//
+// amax_history is [history_len, n] row-major; row 0 holds this step's amax of each tensor.
+//   amax_i   = max over all rows of column i     (use_history_max)   or row 0 (most recent)
+//   scale_i  = fp8_max_i * 2^-margin / amax_i    kept unchanged if amax_i is 0, inf or NaN;
+//              a scale that overflows fp32 becomes FLT_MAX
+//   scale_inv_i = 1 / scale_i
+// then the history rolls one row toward the past (row h <- row h-1, the oldest row drops
+// out) and row 0 is zeroed for the next step.
+#pragma once
+
+#include <cstdint>
+
+#include "fp8_format.h"
+#include "launch.h"
+
+namespace tpfp8 {
+
+struct DelayedScalingParams {
+  float* amax_history = nullptr;  // [history_len, num_tensors]
+  int64_t history_len = 0;
+  int64_t num_tensors = 0;
+  float* scale = nullptr;          // [num_tensors]
+  float* scale_inv = nullptr;      // [num_tensors]
+  const float* fp8_max = nullptr;  // [num_tensors], the max of each tensor's format
+  int margin = 0;
+  bool use_history_max = true;
+};
+
+cudaError_t delayed_scaling_update_cuda(const DelayedScalingParams& p, cudaStream_t stream);
+void delayed_scaling_update_cpu(const DelayedScalingParams& p);
+
+// One tensor's new scale from its amax (shared by the CPU reference and the kernel).
+TPFP8_HD float scale_from_amax(float amax, float old_scale, float fp8_max, int margin) {
+  if (!(amax > 0.0f) || !(amax <= 3.402823466e38f)) return old_scale;  // 0, inf or NaN
+  float s = fp8_max / amax;
+  // 2^-margin applied as a separate exact power-of-two product, identical on host and device.
+  s = s * bits_float(static_cast<uint32_t>(127 - margin) << 23);
+  return s <= 3.402823466e38f ? s : 3.402823466e38f;
+}
+
+}  // namespace tpfp8

@@ -1,0 +1,108 @@
+"""Python entry points of the native FP8 ops, allocating outputs the caller does not pass.
+
+FP8 data is ``torch.uint8`` holding the codes (view it as ``torch.float8_e4m3fn`` /
+``torch.float8_e5m2`` where torch has them). Every op runs on the input's device: the CUDA
+kernel for CUDA tensors, the bit-identical CPU reference for CPU tensors. Nothing here
+synchronises with the host.
+"""
+from typing import NamedTuple, Optional
+
+import torch
+
+from .formats import Fp8Format
+
+_ops = torch.ops.tpfp8
+
+
+class Quantized(NamedTuple):
+    """Result of a cast: row-wise ``[M, K]`` and/or column-wise ``[K, M]`` uint8 codes, the
+    fp32 amax buffer the input's max |x| was folded into, and ``scale_inv = 1 / scale``."""
+
+    rowwise: Optional[torch.Tensor]
+    columnwise: Optional[torch.Tensor]
+    amax: torch.Tensor
+    scale_inv: torch.Tensor
+
+
+def _scalar(like: torch.Tensor, value: float = 0.0) -> torch.Tensor:
+    return torch.full((1,), value, dtype=torch.float32, device=like.device)
+
+
+def _as_codes(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.uint8 or t.element_size() != 1 else t.view(torch.uint8)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, fp8_format="e4m3", *,
+             out: Optional[torch.Tensor] = None, amax: Optional[torch.Tensor] = None,
+             scale_inv: Optional[torch.Tensor] = None) -> Quantized:
+    """Casts ``x`` (2-D, fp32/bf16/fp16) to FP8 row-wise: ``code = rne(x * scale)``.
+
+    ``scale`` is a one-element fp32 tensor on x's device. ``amax`` (if given) is updated in
+    place with ``max(amax, max|x|)``; a fresh zero buffer is used otherwise.
+    """
+    fmt = Fp8Format.parse(fp8_format)
+    out = torch.empty(x.shape, dtype=torch.uint8, device=x.device) if out is None else out
+    amax = _scalar(x) if amax is None else amax
+    scale_inv = _scalar(x) if scale_inv is None else scale_inv
+    _ops.quantize(x, scale, out, amax, scale_inv, int(fmt))
+    return Quantized(out, None, amax, scale_inv)
+
+
+def cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_format="e4m3", *,
+                   rowwise: bool = True, columnwise: bool = True,
+                   amax: Optional[torch.Tensor] = None,
+                   scale_inv: Optional[torch.Tensor] = None) -> Quantized:
+    """Casts ``x`` ``[M, K]`` once, writing row-wise ``[M, K]`` and/or column-wise ``[K, M]``
+    codes (the column-wise data is the transpose), folding max|x| into ``amax``."""
+    fmt = Fp8Format.parse(fp8_format)
+    rows, cols = x.shape if x.dim() == 2 else (0, 0)
+    row = torch.empty((rows, cols), dtype=torch.uint8, device=x.device) if rowwise else None
+    col = torch.empty((cols, rows), dtype=torch.uint8, device=x.device) if columnwise else None
+    amax = _scalar(x) if amax is None else amax
+    scale_inv = _scalar(x) if scale_inv is None else scale_inv
+    _ops.cast_transpose(x, scale, row, col, amax, scale_inv, int(fmt))
+    return Quantized(row, col, amax, scale_inv)
+
+
+def transpose_fp8(data: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Transposes 2-D FP8 codes ``[M, K]`` into ``[K, M]``."""
+    data = _as_codes(data)
+    if out is None:
+        shape = (data.shape[1], data.shape[0]) if data.dim() == 2 else (0,)
+        out = torch.empty(shape, dtype=torch.uint8, device=data.device)
+    _ops.transpose_fp8(data, out)
+    return out
+
+
+def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, fp8_format="e4m3",
+               dtype: torch.dtype = torch.float32,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Decodes FP8 codes: ``out = round_to(dtype, decode(code) * scale_inv)``."""
+    data = _as_codes(data)
+    out = torch.empty(data.shape, dtype=dtype, device=data.device) if out is None else out
+    _ops.dequantize(data, scale_inv, int(Fp8Format.parse(fp8_format)), out)
+    return out
+
+
+def amax(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``max|x|`` as a one-element fp32 tensor (folded into ``out`` when given); NaN wins."""
+    out = _scalar(x) if out is None else out
+    _ops.amax(x, out)
+    return out
+
+
+def delayed_scaling_update(amax_history: torch.Tensor, scale: torch.Tensor,
+                           scale_inv: torch.Tensor, fp8_max: torch.Tensor, margin: int = 0,
+                           amax_compute_algo: str = "max") -> None:
+    """End-of-step update of delayed scaling for n tensors, in place, in one launch.
+
+    ``amax_history`` is fp32 ``[history_len, n]`` with this step's amaxes in row 0; ``scale``,
+    ``scale_inv`` and ``fp8_max`` are fp32 ``[n]``. ``scale = fp8_max * 2**-margin / amax``
+    with amax the max over the history ("max") or row 0 ("most_recent"), kept when amax is
+    0 or not finite. The history then rolls one row toward the past and row 0 is zeroed.
+    """
+    if amax_compute_algo not in ("max", "most_recent"):
+        raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got "
+                         f"{amax_compute_algo!r}")
+    _ops.delayed_scaling_update(amax_history, scale, scale_inv, fp8_max, int(margin),
+                                amax_compute_algo == "max")
