@@ -47,12 +47,13 @@ void quantize(const at::Tensor& input, const at::Tensor& scale, at::Tensor& out,
   p.rowwise = out.data_ptr<uint8_t>();
   p.amax = optional_f32(amax, "amax", input);
   p.scale_inv = optional_f32(scale_inv, "scale_inv", input);
-  run_on_device(input, [&] { cast_cpu(p); }, [&](cudaStream_t s) { return quantize_cuda(p, s); });
+  run_on_device(
+      input, [&] { cast_cpu(p); }, [&](cudaStream_t s) { return quantize_cuda(p, s); });
 }
 
 void cast_transpose(const at::Tensor& input, const at::Tensor& scale, const OptTensor& rowwise,
-                    const OptTensor& columnwise, const OptTensor& amax,
-                    const OptTensor& scale_inv, int64_t fp8_format) {
+                    const OptTensor& columnwise, const OptTensor& amax, const OptTensor& scale_inv,
+                    int64_t fp8_format) {
   CastParams p = cast_params(input, scale, fp8_format);
   TORCH_CHECK(rowwise.has_value() || columnwise.has_value(),
               "cast_transpose needs at least one of rowwise / columnwise outputs");
@@ -60,8 +61,8 @@ void cast_transpose(const at::Tensor& input, const at::Tensor& scale, const OptT
   p.columnwise = optional_fp8_out(columnwise, "columnwise", {p.cols, p.rows}, input);
   p.amax = optional_f32(amax, "amax", input);
   p.scale_inv = optional_f32(scale_inv, "scale_inv", input);
-  run_on_device(input, [&] { cast_cpu(p); },
-                [&](cudaStream_t s) { return cast_transpose_cuda(p, s); });
+  run_on_device(
+      input, [&] { cast_cpu(p); }, [&](cudaStream_t s) { return cast_transpose_cuda(p, s); });
 }
 
 void transpose_fp8(const at::Tensor& input, at::Tensor& out) {
@@ -71,8 +72,9 @@ void transpose_fp8(const at::Tensor& input, at::Tensor& out) {
   check_output(out, "out", {cols, rows}, at::kByte, input);
   const uint8_t* in = input.data_ptr<uint8_t>();
   uint8_t* o = out.data_ptr<uint8_t>();
-  run_on_device(input, [&] { transpose_fp8_cpu(in, rows, cols, o); },
-                [&](cudaStream_t s) { return transpose_fp8_cuda(in, rows, cols, o, s); });
+  run_on_device(
+      input, [&] { transpose_fp8_cpu(in, rows, cols, o); },
+      [&](cudaStream_t s) { return transpose_fp8_cuda(in, rows, cols, o, s); });
 }
 
 void dequantize(const at::Tensor& input, const at::Tensor& scale_inv, int64_t fp8_format,
@@ -87,8 +89,8 @@ void dequantize(const at::Tensor& input, const at::Tensor& scale_inv, int64_t fp
   p.format = fp8_format_from(fp8_format);
   p.scale_inv = scale_inv.data_ptr<float>();
   p.output = out.data_ptr();
-  run_on_device(input, [&] { dequantize_cpu(p); },
-                [&](cudaStream_t s) { return dequantize_cuda(p, s); });
+  run_on_device(
+      input, [&] { dequantize_cpu(p); }, [&](cudaStream_t s) { return dequantize_cuda(p, s); });
 }
 
 void amax(const at::Tensor& input, at::Tensor& amax) {
@@ -98,8 +100,9 @@ void amax(const at::Tensor& input, at::Tensor& amax) {
   const void* in = input.data_ptr();
   float* a = amax.data_ptr<float>();
   const int64_t n = input.numel();
-  run_on_device(input, [&] { amax_cpu(in, dtype, n, a); },
-                [&](cudaStream_t s) { return amax_cuda(in, dtype, n, a, s); });
+  run_on_device(
+      input, [&] { amax_cpu(in, dtype, n, a); },
+      [&](cudaStream_t s) { return amax_cuda(in, dtype, n, a, s); });
 }
 
 void delayed_scaling_update(at::Tensor& amax_history, at::Tensor& scale, at::Tensor& scale_inv,
@@ -127,8 +130,9 @@ void delayed_scaling_update(at::Tensor& amax_history, at::Tensor& scale, at::Ten
   p.fp8_max = fp8_max.data_ptr<float>();
   p.margin = static_cast<int>(margin);
   p.use_history_max = use_history_max;
-  run_on_device(amax_history, [&] { delayed_scaling_update_cpu(p); },
-                [&](cudaStream_t s) { return delayed_scaling_update_cuda(p, s); });
+  run_on_device(
+      amax_history, [&] { delayed_scaling_update_cpu(p); },
+      [&](cudaStream_t s) { return delayed_scaling_update_cuda(p, s); });
 }
 
 }  // namespace
@@ -148,12 +152,12 @@ TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
       "Tensor fp8_max, int margin, bool use_history_max) -> ()");
 }
 
-#define TPFP8_REGISTER_CAST_OPS(m)                             \
-  m.impl("quantize", &quantize);                               \
-  m.impl("cast_transpose", &cast_transpose);                   \
-  m.impl("transpose_fp8", &transpose_fp8);                     \
-  m.impl("dequantize", &dequantize);                           \
-  m.impl("amax", &amax);                                       \
+#define TPFP8_REGISTER_CAST_OPS(m)           \
+  m.impl("quantize", &quantize);             \
+  m.impl("cast_transpose", &cast_transpose); \
+  m.impl("transpose_fp8", &transpose_fp8);   \
+  m.impl("dequantize", &dequantize);         \
+  m.impl("amax", &amax);                     \
   m.impl("delayed_scaling_update", &delayed_scaling_update)
 
 TORCH_LIBRARY_IMPL(tpfp8, CPU, m) { TPFP8_REGISTER_CAST_OPS(m); }

@@ -25,8 +25,8 @@ inline void check_contiguous(const at::Tensor& t, const char* name) {
 
 inline void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* name,
                               const char* ref_name) {
-  TORCH_CHECK(t.device() == ref.device(), name, " is on ", t.device(), " but ", ref_name,
-              " is on ", ref.device(), "; move both to the same device");
+  TORCH_CHECK(t.device() == ref.device(), name, " is on ", t.device(), " but ", ref_name, " is on ",
+              ref.device(), "; move both to the same device");
 }
 
 // A one-element fp32 tensor on ref's device (scale, scale_inv, amax).
@@ -53,9 +53,8 @@ inline DType high_precision_dtype(const at::Tensor& t, const char* name) {
 }
 
 inline void check_fp8_storage(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kByte, name,
-              " must hold FP8 codes as torch.uint8, got ", t.scalar_type(),
-              "; view float8 tensors with .view(torch.uint8)");
+  TORCH_CHECK(t.scalar_type() == at::kByte, name, " must hold FP8 codes as torch.uint8, got ",
+              t.scalar_type(), "; view float8 tensors with .view(torch.uint8)");
   check_contiguous(t, name);
 }
 

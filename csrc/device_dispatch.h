@@ -7,8 +7,8 @@
 #include "kernels/launch.h"
 
 #if defined(TPFP8_WITH_CUDA)
-#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #endif
 
 namespace tpfp8 {
@@ -28,9 +28,9 @@ void run_on_device(const at::Tensor& t, CpuFn&& cpu, CudaFn&& cuda) {
   }
 #endif
   (void)cuda;
-  TORCH_CHECK(false, "tpfp8 ops run on CPU or CUDA tensors, got a tensor on ", t.device(),
-              t.is_cuda() ? " but this build of tpfp8 has no CUDA; rebuild with nvcc available"
-                          : "");
+  TORCH_CHECK(
+      false, "tpfp8 ops run on CPU or CUDA tensors, got a tensor on ", t.device(),
+      t.is_cuda() ? " but this build of tpfp8 has no CUDA; rebuild with nvcc available" : "");
 }
 
 }  // namespace tpfp8

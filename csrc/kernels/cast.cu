@@ -24,8 +24,8 @@ constexpr int kThreads = 256;
 // Grid for `chunks` units of work: enough blocks to fill the machine, no more than needed.
 int grid_for(int64_t chunks, int blocks_per_sm) {
   const int64_t needed = (chunks + kThreads - 1) / kThreads;
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(needed,
-                                                                 current_sm_count() * blocks_per_sm)));
+  return static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(needed, current_sm_count() * blocks_per_sm)));
 }
 
 template <typename T, Fp8Format F>
@@ -66,7 +66,8 @@ __global__ void __launch_bounds__(kThreads)
       const auto codes = *reinterpret_cast<const device::Pack8<uint8_t>*>(in + i);
       device::Pack8<T> pack;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) pack.v[j] = from_float<T>(decode_fp8(codes.v[j], format) * scale_inv);
+      for (int j = 0; j < 8; ++j)
+        pack.v[j] = from_float<T>(decode_fp8(codes.v[j], format) * scale_inv);
       *reinterpret_cast<device::Pack8<T>*>(out + i) = pack;
     } else {
       for (int64_t j = i; j < n && j < i + 8; ++j) {
@@ -87,7 +88,8 @@ __global__ void __launch_bounds__(kThreads)
     if (vec && i + 8 <= n) {
       const auto pack = *reinterpret_cast<const device::Pack8<T>*>(in + i);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) local_amax = max(local_amax, abs_bits(device::load_float(pack.v[j])));
+      for (int j = 0; j < 8; ++j)
+        local_amax = max(local_amax, abs_bits(device::load_float(pack.v[j])));
     } else {
       for (int64_t j = i; j < n && j < i + 8; ++j) {
         local_amax = max(local_amax, abs_bits(device::load_float(in[j])));
@@ -105,14 +107,15 @@ cudaError_t quantize_cuda(const CastParams& p, cudaStream_t stream) {
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     const T* in = static_cast<const T*>(p.input);
-    const bool vec = device::aligned(in, alignof(device::Pack8<T>)) && device::aligned(p.rowwise, 8);
+    const bool vec =
+        device::aligned(in, alignof(device::Pack8<T>)) && device::aligned(p.rowwise, 8);
     const int grid = grid_for((n + 7) / 8, 8);
     if (p.format == Fp8Format::kE4M3) {
-      quantize_kernel<T, Fp8Format::kE4M3><<<grid, kThreads, 0, stream>>>(
-          in, n, p.scale, p.rowwise, p.amax, p.scale_inv, vec);
+      quantize_kernel<T, Fp8Format::kE4M3>
+          <<<grid, kThreads, 0, stream>>>(in, n, p.scale, p.rowwise, p.amax, p.scale_inv, vec);
     } else {
-      quantize_kernel<T, Fp8Format::kE5M2><<<grid, kThreads, 0, stream>>>(
-          in, n, p.scale, p.rowwise, p.amax, p.scale_inv, vec);
+      quantize_kernel<T, Fp8Format::kE5M2>
+          <<<grid, kThreads, 0, stream>>>(in, n, p.scale, p.rowwise, p.amax, p.scale_inv, vec);
     }
   });
   return cudaGetLastError();

@@ -12,10 +12,10 @@ namespace tpfp8 {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kWarpRows = 64, kWarpCols = 32;      // 8 x 4 threads of 8x8 each
-constexpr int kWarpsM = 2, kWarpsK = 4;            // 8 warps
-constexpr int kTileRows = kWarpRows * kWarpsM;     // 128
-constexpr int kTileCols = kWarpCols * kWarpsK;     // 128
+constexpr int kWarpRows = 64, kWarpCols = 32;   // 8 x 4 threads of 8x8 each
+constexpr int kWarpsM = 2, kWarpsK = 4;         // 8 warps
+constexpr int kTileRows = kWarpRows * kWarpsM;  // 128
+constexpr int kTileCols = kWarpCols * kWarpsK;  // 128
 
 // Transposes a 4x4 byte block: w[r] holds row r, result t[c] holds column c.
 __device__ __forceinline__ void transpose4x4(const uint32_t w[4], uint32_t t[4]) {
@@ -31,15 +31,18 @@ __device__ __forceinline__ void transpose4x4(const uint32_t w[4], uint32_t t[4])
 __device__ __forceinline__ void transpose8x8(const uint2 rows[8], uint2 cols[8]) {
   uint32_t q[4], t[4];
 #pragma unroll
-  for (int half_c = 0; half_c < 2; ++half_c) {      // columns 0-3 from .x, 4-7 from .y
+  for (int half_c = 0; half_c < 2; ++half_c) {  // columns 0-3 from .x, 4-7 from .y
 #pragma unroll
-    for (int half_r = 0; half_r < 2; ++half_r) {    // rows 0-3 -> .x of result, 4-7 -> .y
+    for (int half_r = 0; half_r < 2; ++half_r) {  // rows 0-3 -> .x of result, 4-7 -> .y
 #pragma unroll
       for (int r = 0; r < 4; ++r) q[r] = half_c ? rows[4 * half_r + r].y : rows[4 * half_r + r].x;
       transpose4x4(q, t);
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        if (half_r) cols[4 * half_c + c].y = t[c]; else cols[4 * half_c + c].x = t[c];
+        if (half_r)
+          cols[4 * half_c + c].y = t[c];
+        else
+          cols[4 * half_c + c].x = t[c];
       }
     }
   }
@@ -128,14 +131,14 @@ template <Fp8Format F, typename T>
 void launch(const T* in, int64_t rows, int64_t cols, const float* scale, uint8_t* rowwise,
             uint8_t* columnwise, float* amax, float* scale_inv, cudaStream_t stream) {
   // 16-byte row loads and 8-byte stores need every row (and column) start aligned.
-  const bool vec = rows % 8 == 0 && cols % 8 == 0 && device::aligned(in, alignof(device::Pack8<T>)) &&
-                   device::aligned(rowwise, 8) && device::aligned(columnwise, 8);
-  const int64_t tiles =
-      ((rows + kTileRows - 1) / kTileRows) * ((cols + kTileCols - 1) / kTileCols);
-  const int grid = static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>(tiles, int64_t{current_sm_count()} * 4)));
+  const bool vec = rows % 8 == 0 && cols % 8 == 0 &&
+                   device::aligned(in, alignof(device::Pack8<T>)) && device::aligned(rowwise, 8) &&
+                   device::aligned(columnwise, 8);
+  const int64_t tiles = ((rows + kTileRows - 1) / kTileRows) * ((cols + kTileCols - 1) / kTileCols);
+  const int grid = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(tiles, int64_t{current_sm_count()} * 4)));
   tile_transpose_kernel<F, T><<<grid, kThreads, 0, stream>>>(in, rows, cols, scale, rowwise,
-                                                              columnwise, amax, scale_inv, vec);
+                                                             columnwise, amax, scale_inv, vec);
 }
 
 }  // namespace

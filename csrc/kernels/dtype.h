@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "fp8_format.h"
 
@@ -77,6 +78,13 @@ TPFP8_HD fp16_t from_float<fp16_t>(float x) {
 TPFP8_HD uint32_t abs_bits(float x) {
   const uint32_t a = float_bits(x) & 0x7FFFFFFFu;
   return a > 0x7F800000u ? 0x7FC00000u : a;
+}
+
+template <typename T>
+constexpr DType dtype_of() {
+  return std::is_same_v<T, bf16_t>   ? DType::kBFloat16
+         : std::is_same_v<T, fp16_t> ? DType::kFloat16
+                                     : DType::kFloat32;
 }
 
 // Calls fn(T{}) with T the storage type of `dtype` (host code: picks a template instance).

@@ -79,9 +79,9 @@ TPFP8_HD uint8_t encode_fp8(float v, Fp8Format f) {
   uint32_t code;
   if (exp < min_normal_exp) {
     // Scaling by a power of two is exact, so `steps` is the value in units of the FP8 grid.
-    const float steps = bits_float(a) * bits_float(static_cast<uint32_t>(
-                                            127 - min_normal_exp + t.mantissa_bits)
-                                        << 23);
+    const float steps =
+        bits_float(a) *
+        bits_float(static_cast<uint32_t>(127 - min_normal_exp + t.mantissa_bits) << 23);
     // Adding 2^23 (whose ulp is 1) rounds to the nearest even integer in the fp32 add.
     const float big = 8388608.0f;
     code = float_bits(add_rn(steps, big)) - float_bits(big);
@@ -108,9 +108,8 @@ TPFP8_HD float decode_fp8(uint8_t c, Fp8Format f) {
   }
   if (exp_field == 0) {
     // Subnormal: mant * 2^(1 - bias - mbits); a power-of-two product, exact in fp32.
-    const float step = bits_float(static_cast<uint32_t>(127 + 1 - t.exponent_bias -
-                                                        t.mantissa_bits)
-                                  << 23);
+    const float step =
+        bits_float(static_cast<uint32_t>(127 + 1 - t.exponent_bias - t.mantissa_bits) << 23);
     return bits_float(sign | float_bits(static_cast<float>(mant) * step));
   }
   const uint32_t e32 = exp_field - t.exponent_bias + 127;

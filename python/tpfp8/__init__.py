@@ -3,7 +3,9 @@
 The native ops live in :mod:`tpfp8.ops` (and ``torch.ops.tpfp8``); FP8 formats in
 :class:`tpfp8.Fp8Format`.
 """
-from . import _C  # noqa: F401  (loads the native ops into torch.ops.tpfp8)
+import torch  # noqa: F401  (loads libtorch, which _C links against)
+
+from . import _C  # noqa: F401,E402  (registers the native ops in torch.ops.tpfp8)
 from .formats import Fp8Format
 from . import ops
 

@@ -1,0 +1,55 @@
+# tpfp8: the two commands of the README, and their parts.
+#   make demo   set up, build, self-check, and run the cast benchmark on this machine's device
+#   make test   set up, build, run GoogleTest (ctest) and pytest
+PYTHON ?= python3
+JOBS ?= $(shell nproc)
+TORCH_SPEC ?= torch==2.14.1
+CMAKE_BUILD := build/cmake
+export PYTHONPATH := $(CURDIR)/python:$(PYTHONPATH)
+export MAX_JOBS ?= $(JOBS)
+
+.PHONY: help deps build build-python build-cpp test test-cpp test-py demo bench format clean
+
+help:
+	@echo "make demo    set up, build, self-check, cast benchmark"
+	@echo "make test    set up, build, GoogleTest + pytest"
+	@echo "make format  clang-format C++/CUDA sources"
+
+# Installs only what is missing: apt for the C++ test tools, pip for torch (the machine's
+# local wheel) and the Python tools.
+deps:
+	@command -v cmake >/dev/null && [ -e /usr/include/gtest/gtest.h ] || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake libgtest-dev; }
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "$(TORCH_SPEC)"
+	@$(PYTHON) -c "import numpy, pytest, ninja" 2>/dev/null || \
+	  $(PYTHON) -m pip install -q numpy pytest ninja
+
+build: build-python build-cpp
+
+build-python: deps
+	$(PYTHON) setup.py -q build_ext --inplace
+
+build-cpp: deps
+	cmake -S . -B $(CMAKE_BUILD) -DCMAKE_BUILD_TYPE=Release \
+	  $$([ -x /usr/local/cuda/bin/nvcc ] && echo -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc)
+	cmake --build $(CMAKE_BUILD) -j $(JOBS)
+
+test-cpp: build-cpp
+	cd $(CMAKE_BUILD) && ctest --output-on-failure
+
+# pytest's exit 5 (nothing collected) is a failure here, not a pass.
+test-py: build-python
+	$(PYTHON) -m pytest tests_py -q -rs; rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+
+test: test-cpp test-py
+
+demo: build-python
+	$(PYTHON) -m tpfp8.selfcheck
+	$(PYTHON) bench/cast.py
+
+format:
+	clang-format -i --style=file $$(git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh' 'tests_cpp/*')
+
+clean:
+	rm -rf build python/tpfp8/_C*.so

@@ -1,0 +1,123 @@
+// Delayed-scaling update (kernels/delayed_scaling.h): the formula and the roll on the CPU
+// reference, and the CUDA kernel's bytes against it.
+#include <cfloat>
+
+#include "kernels/delayed_scaling.h"
+#include "test_util.h"
+
+namespace tpfp8 {
+namespace {
+
+using testing::same_bytes;
+
+struct State {
+  int64_t len, n;
+  std::vector<float> history, scale, scale_inv, fp8_max;
+  DelayedScalingParams params(float* h, float* s, float* si, const float* m, int margin,
+                              bool use_max) const {
+    DelayedScalingParams p;
+    p.amax_history = h, p.history_len = len, p.num_tensors = n;
+    p.scale = s, p.scale_inv = si, p.fp8_max = m, p.margin = margin;
+    p.use_history_max = use_max;
+    return p;
+  }
+};
+
+// Random history with whole columns of zeros, an inf and a NaN to hit the keep-old-scale rule.
+State random_state(int64_t len, int64_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(0.0f, 4.0f);
+  State st{len,
+           n,
+           std::vector<float>(len * n),
+           std::vector<float>(n),
+           std::vector<float>(n),
+           std::vector<float>(n)};
+  for (auto& a : st.history) a = std::ldexp(u(rng), static_cast<int>(u(rng) * 10) - 20);
+  for (int64_t i = 0; i < n; ++i) {
+    st.scale[i] = 1.0f + i;
+    st.fp8_max[i] = i % 2 ? 57344.0f : 448.0f;
+    if (i % 5 == 1)
+      for (int64_t r = 0; r < len; ++r) st.history[r * n + i] = 0.0f;
+  }
+  if (n > 2) st.history[2] = INFINITY;
+  if (n > 3) st.history[(len - 1) * n + 3] = NAN;
+  return st;
+}
+
+TEST(DelayedScaling, FollowsFormulaAndRolls) {
+  State st = random_state(16, 7, 1);
+  const State before = st;
+  for (const int margin : {0, 2}) {
+    st = before;
+    auto p = st.params(st.history.data(), st.scale.data(), st.scale_inv.data(), st.fp8_max.data(),
+                       margin, true);
+    delayed_scaling_update_cpu(p);
+    for (int64_t i = 0; i < st.n; ++i) {
+      float amax = 0.0f;
+      bool nan = false;
+      for (int64_t r = 0; r < st.len; ++r) {
+        const float a = before.history[r * st.n + i];
+        nan |= std::isnan(a);
+        amax = std::max(amax, a);
+      }
+      const bool keep = nan || amax == 0.0f || std::isinf(amax);
+      const double want = keep ? before.scale[i]
+                               : std::min<double>(FLT_MAX, double(float(before.fp8_max[i] / amax)) *
+                                                               std::ldexp(1.0, -margin));
+      EXPECT_EQ(st.scale[i], static_cast<float>(want)) << "tensor " << i;
+      EXPECT_EQ(st.scale_inv[i], 1.0f / st.scale[i]);
+      EXPECT_EQ(st.history[i], 0.0f);  // row 0 cleared for the next step
+      for (int64_t r = 1; r < st.len; ++r) {
+        EXPECT_TRUE(
+            same_bytes<float>({st.history[r * st.n + i]}, {before.history[(r - 1) * st.n + i]}));
+      }
+    }
+  }
+}
+
+TEST(DelayedScaling, MostRecentUsesRowZeroOnly) {
+  State st = random_state(4, 2, 2);
+  st.history = {1.0f, 2.0f, 100.0f, 100.0f, 100.0f, 100.0f, 100.0f, 100.0f};
+  auto p = st.params(st.history.data(), st.scale.data(), st.scale_inv.data(), st.fp8_max.data(), 0,
+                     false);
+  delayed_scaling_update_cpu(p);
+  EXPECT_EQ(st.scale[0], 448.0f);
+  EXPECT_EQ(st.scale[1], 57344.0f / 2.0f);
+}
+
+TEST(DelayedScaling, TinyAmaxClampsToFltMax) {
+  State st = random_state(1, 1, 3);
+  st.history = {1e-44f};
+  auto p = st.params(st.history.data(), st.scale.data(), st.scale_inv.data(), st.fp8_max.data(), 0,
+                     true);
+  delayed_scaling_update_cpu(p);
+  EXPECT_EQ(st.scale[0], FLT_MAX);
+}
+
+TEST(DelayedScaling, CudaMatchesCpuBytes) {
+  TPFP8_REQUIRE_GPU();
+#if defined(TPFP8_WITH_CUDA)
+  for (const int64_t len : {1, 16, 33, 1024}) {
+    for (const int64_t n : {1, 3, 37}) {
+      for (const bool use_max : {true, false}) {
+        State cpu = random_state(len, n, len * 100 + n);
+        testing::DeviceBuffer<float> h(cpu.history), s(cpu.scale), si(cpu.scale_inv),
+            m(cpu.fp8_max);
+        const State gpu_in = cpu;
+        delayed_scaling_update_cpu(cpu.params(cpu.history.data(), cpu.scale.data(),
+                                              cpu.scale_inv.data(), cpu.fp8_max.data(), 1,
+                                              use_max));
+        TPFP8_CUDA_OK(delayed_scaling_update_cuda(
+            gpu_in.params(h.get(), s.get(), si.get(), m.get(), 1, use_max), nullptr));
+        EXPECT_TRUE(same_bytes(h.to_host(), cpu.history)) << len << "x" << n;
+        EXPECT_TRUE(same_bytes(s.to_host(), cpu.scale)) << len << "x" << n;
+        EXPECT_TRUE(same_bytes(si.to_host(), cpu.scale_inv)) << len << "x" << n;
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace
+}  // namespace tpfp8

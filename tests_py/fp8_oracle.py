@@ -1,0 +1,35 @@
+"""An FP8 oracle in NumPy/float64, written independently of the C++ encoder: the format's
+values come from its definition, and encoding picks the nearest value (ties to the even code)."""
+import numpy as np
+
+FORMATS = {"e4m3": (4, 3, 7), "e5m2": (5, 2, 15)}
+MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+
+
+def code_values(fmt):
+    """float64 value of each of the 256 codes (NaN for NaN codes, inf for E5M2 inf)."""
+    ebits, mbits, bias = FORMATS[fmt]
+    codes = np.arange(256)
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    e = (codes >> mbits) & ((1 << ebits) - 1)
+    m = (codes & ((1 << mbits) - 1)).astype(np.float64)
+    val = np.where(e == 0, np.ldexp(m, 1 - bias - mbits),
+                   np.ldexp(1.0 + m / (1 << mbits), e - bias))
+    if fmt == "e4m3":
+        val = np.where((codes & 0x7F) == 0x7F, np.nan, val)
+    else:
+        val = np.where(e == 31, np.where(m == 0, np.inf, np.nan), val)
+    return sign * val
+
+
+def encode(v32, fmt):
+    """Codes of the fp32 array `v32` (already scaled): nearest, ties to even, saturating."""
+    vals = code_values(fmt)[: int(np.nonzero(code_values(fmt)[:128] == MAX[fmt])[0][0]) + 1]
+    a = np.abs(v32.astype(np.float64))
+    hi = np.clip(np.searchsorted(vals, a, side="right"), 1, len(vals) - 1)
+    lo = hi - 1
+    dlo, dhi = a - vals[lo], vals[hi] - a
+    code = np.where(dlo < dhi, lo, np.where(dhi < dlo, hi, np.where(lo % 2 == 0, lo, hi)))
+    code = np.where(a >= vals[-1], len(vals) - 1, code)
+    code = code | np.where(np.signbit(v32), 0x80, 0)
+    return np.where(np.isnan(v32), 0x7F, code).astype(np.uint8)

@@ -1,0 +1,177 @@
+"""tpfp8.ops on CPU against the NumPy/float64 oracle, on GPU against the CPU op (bytes equal),
+and the argument errors."""
+import numpy as np
+import pytest
+import torch
+
+from conftest import requires_gpu
+from fp8_oracle import MAX, code_values, encode
+from tpfp8 import ops
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+FORMATS = ["e4m3", "e5m2"]
+SHAPES = [(1, 1), (1, 4097), (17, 33), (127, 129), (256, 512)]
+
+
+def sample(shape, dtype, seed=0):
+    """Random values over many magnitudes with inf, NaN, zeros and subnormals mixed in."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-12, 12, shape, generator=g))
+    flat = x.view(-1)
+    specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, 600.0])
+    idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 50),), generator=g)
+    flat[idx] = specials[torch.arange(idx.numel()) % specials.numel()]
+    return x.to(dtype)
+
+
+def oracle_cast(x, scale, fmt):
+    v32 = x.float().numpy() * np.float32(scale)  # fp32 product, as the kernels form it
+    return encode(v32, fmt)
+
+
+def oracle_amax(x):
+    a = np.abs(x.float().numpy().astype(np.float64))
+    return np.nan if np.isnan(a).any() else (a.max() if a.size else 0.0)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cast_transpose_cpu_matches_oracle(shape, dtype, fmt):
+    x = sample(shape, dtype, seed=shape[0] * 1000 + shape[1])
+    scale = torch.tensor([0.37])
+    q = ops.cast_transpose(x, scale, fmt)
+    want = oracle_cast(x, 0.37, fmt)
+    np.testing.assert_array_equal(q.rowwise.numpy(), want)
+    np.testing.assert_array_equal(q.columnwise.numpy(), want.T)
+    np.testing.assert_equal(q.amax.item(), np.float32(oracle_amax(x)))
+    assert q.scale_inv.item() == np.float32(1.0) / np.float32(0.37)
+    r = ops.quantize(x, scale, fmt)
+    assert torch.equal(r.rowwise, q.rowwise)
+
+
+def test_quantize_folds_into_existing_amax_and_is_saturating():
+    x = torch.tensor([[1.0, -1000.0], [3.0, 4.0]])
+    amax = torch.tensor([5000.0])
+    q = ops.quantize(x, torch.tensor([1.0]), "e4m3", amax=amax)
+    assert amax.item() == 5000.0 and q.amax is amax
+    assert q.rowwise[0, 1].item() == 0xFE  # -448: saturated, not NaN
+    assert ops.cast_transpose(x, torch.tensor([1.0]), rowwise=False).rowwise is None
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequantize_cpu_matches_oracle(fmt, dtype):
+    codes = torch.arange(256, dtype=torch.uint8).reshape(16, 16)
+    out = ops.dequantize(codes, torch.tensor([0.75]), fmt, dtype)
+    want = torch.from_numpy((code_values(fmt) * 0.75).astype(np.float32)).reshape(16, 16)
+    torch.testing.assert_close(out, want.to(dtype), equal_nan=True, rtol=0, atol=0)
+
+
+def test_amax_and_transpose_cpu():
+    x = sample((33, 65), torch.bfloat16, seed=3)
+    x[torch.isnan(x)] = 1.0
+    assert ops.amax(x).item() == np.float32(oracle_amax(x))
+    codes = torch.randint(0, 256, (37, 19), dtype=torch.uint8)
+    assert torch.equal(ops.transpose_fp8(codes), codes.t())
+    assert torch.equal(ops.transpose_fp8(codes.view(torch.float8_e4m3fn)), codes.t())
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0, 3])
+def test_delayed_scaling_update_cpu(algo, margin):
+    g = torch.Generator().manual_seed(1)
+    hist = torch.rand(8, 5, generator=g) * 10
+    hist[:, 1] = 0.0  # all-zero column keeps its scale
+    hist[0, 2] = float("inf")
+    scale = torch.arange(1.0, 6.0)
+    scale_inv = torch.empty(5)
+    fp8_max = torch.tensor([MAX["e4m3"], MAX["e5m2"]] * 2 + [MAX["e4m3"]])
+    h0, s0 = hist.clone(), scale.clone()
+    ops.delayed_scaling_update(hist, scale, scale_inv, fp8_max, margin, algo)
+    amax = h0.max(0).values if algo == "max" else h0[0]
+    want = torch.where(torch.isfinite(amax) & (amax > 0), fp8_max / amax * 2.0 ** -margin, s0)
+    assert torch.equal(scale, want)
+    assert torch.equal(scale_inv, 1.0 / want)
+    assert torch.equal(hist[1:], h0[:-1]) and torch.all(hist[0] == 0)
+
+
+ERRORS = [
+    (lambda: ops.quantize(torch.zeros(4, dtype=torch.float32), torch.ones(1)), "must be 2-D"),
+    (lambda: ops.quantize(torch.zeros(4, 4, dtype=torch.int32), torch.ones(1)),
+     "float32, bfloat16 or float16"),
+    (lambda: ops.quantize(torch.zeros(4, 8).t(), torch.ones(1)), "contiguous"),
+    (lambda: ops.quantize(torch.zeros(4, 4), torch.ones(2)), "one-element float32"),
+    (lambda: ops.quantize(torch.zeros(4, 4), torch.ones(1), out=torch.empty(4, 5, dtype=torch.uint8)),
+     "out must be Byte of shape"),
+    (lambda: ops.quantize(torch.zeros(4, 4), torch.ones(1), "e3m4"), "unknown FP8 format"),
+    (lambda: ops.dequantize(torch.zeros(4, dtype=torch.int16), torch.ones(1)), "torch.uint8"),
+    (lambda: ops.delayed_scaling_update(torch.zeros(4, 2), torch.ones(3), torch.ones(2),
+                                        torch.ones(2)), "scale must be Float of shape"),
+    (lambda: ops.delayed_scaling_update(torch.zeros(4, 2), torch.ones(2), torch.ones(2),
+                                        torch.ones(2), amax_compute_algo="mean"), "amax_compute_algo"),
+]
+
+
+@pytest.mark.parametrize("call,message", ERRORS)
+def test_bad_input_raises_clear_error(call, message):
+    with pytest.raises((RuntimeError, ValueError), match=message):
+        call()
+
+
+def test_rejected_call_leaves_buffers_untouched():
+    amax, scale_inv = torch.tensor([7.0]), torch.tensor([3.0])
+    with pytest.raises(RuntimeError):
+        ops.quantize(torch.zeros(4, 4), torch.ones(1), out=torch.empty(4, 5, dtype=torch.uint8),
+                     amax=amax, scale_inv=scale_inv)
+    assert amax.item() == 7.0 and scale_inv.item() == 3.0
+
+
+# ---- GPU: the CUDA op gives the CPU op's bytes -------------------------------------------
+
+GPU_SHAPES = SHAPES + [(4096, 4096), (8191, 129)]
+
+
+def both(fn, *tensors):
+    cpu = fn(*tensors)
+    gpu = fn(*(t.cuda() for t in tensors))
+    return cpu, gpu
+
+
+def assert_same_bytes(gpu, cpu):
+    assert gpu.dtype == cpu.dtype and gpu.shape == cpu.shape
+    assert torch.equal(gpu.cpu().view(torch.uint8), cpu.view(torch.uint8))
+
+
+@requires_gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_cast_ops_equal_cpu_bytes(shape, dtype, fmt):
+    x = sample(shape, dtype, seed=shape[0] + shape[1])
+    scale = torch.tensor([1.37])
+    cpu, gpu = both(lambda a, s: ops.cast_transpose(a, s, fmt), x, scale)
+    for c, g in zip(cpu, gpu):
+        assert_same_bytes(g, c)
+    cpu, gpu = both(lambda a, s: ops.quantize(a, s, fmt), x, scale)
+    assert_same_bytes(gpu.rowwise, cpu.rowwise)
+    assert_same_bytes(gpu.amax, cpu.amax)
+    cpu, gpu = both(lambda q, si: ops.dequantize(q, si, fmt, dtype), cpu.rowwise, cpu.scale_inv)
+    assert_same_bytes(gpu, cpu)
+    cpu, gpu = both(ops.transpose_fp8, ops.quantize(x, scale, fmt).rowwise)
+    assert_same_bytes(gpu, cpu)
+    cpu, gpu = both(ops.amax, x)
+    assert_same_bytes(gpu, cpu)
+
+
+@requires_gpu
+def test_gpu_delayed_scaling_update_equals_cpu():
+    g = torch.Generator().manual_seed(2)
+    hist = torch.rand(1024, 33, generator=g) * torch.exp2(torch.randint(-20, 20, (1024, 33), generator=g))
+    hist[:, 3] = 0.0
+    args = [hist, torch.rand(33, generator=g) + 0.5, torch.empty(33), torch.full((33,), 448.0)]
+    gpu_args = [a.cuda() for a in args]
+    ops.delayed_scaling_update(*args, margin=1)
+    ops.delayed_scaling_update(*gpu_args, margin=1)
+    for c, gg in zip(args, gpu_args):
+        assert_same_bytes(gg, c)
