@@ -5,6 +5,8 @@
 // bank conflicts, and the input is read exactly once.
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+
 #include "cast.h"
 #include "cast_device.cuh"
 
@@ -110,21 +112,37 @@ __global__ void __launch_bounds__(kThreads)
     tile_transpose_kernel(const T* __restrict__ in, int64_t rows, int64_t cols,
                           const float* __restrict__ scale_ptr, uint8_t* __restrict__ rowwise,
                           uint8_t* __restrict__ columnwise, float* amax, float* scale_inv,
-                          bool vec) {
+                          bool vec, int group) {
   const float scale = scale_ptr ? *scale_ptr : 1.0f;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t dm = (warp / kWarpsK) * kWarpRows + (lane / 4) * 8;
   const int64_t dk = (warp % kWarpsK) * kWarpCols + (lane % 4) * 8;
   const int64_t tiles_k = (cols + kTileCols - 1) / kTileCols;
-  const int64_t tiles = tiles_k * ((rows + kTileRows - 1) / kTileRows);
+  const int64_t tiles_m = (rows + kTileRows - 1) / kTileRows;
   uint32_t local_amax = 0;
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const int64_t m0 = (t / tiles_k) * kTileRows + dm;
-    const int64_t k0 = (t % tiles_k) * kTileCols + dk;
+  for (int64_t t = blockIdx.x; t < tiles_m * tiles_k; t += gridDim.x) {
+    // Tiles in flight together form a band of `group` tile rows walked column by column, so
+    // each input row, row-wise output row and column-wise output row is touched in runs of
+    // kilobytes rather than 128-byte pieces scattered over DRAM pages.
+    const int64_t first_m = (t / (group * tiles_k)) * group;
+    const int64_t band = min(tiles_m - first_m, int64_t{group});
+    const int64_t in_band = t - first_m * tiles_k;
+    const int64_t m0 = (first_m + in_band % band) * kTileRows + dm;
+    const int64_t k0 = (in_band / band) * kTileCols + dk;
     block8x8<F>(in, rows, cols, m0, k0, scale, vec, rowwise, columnwise, local_amax);
   }
   if (amax) device::fold_block_amax(local_amax, amax);
   if (scale_inv && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / scale;
+}
+
+// Tile rows per band (see the kernel); TPFP8_CAST_TRANSPOSE_GROUP overrides it for tuning.
+int tile_group() {
+  static const int group = [] {
+    const char* env = std::getenv("TPFP8_CAST_TRANSPOSE_GROUP");
+    const int g = env ? std::atoi(env) : 0;
+    return g > 0 ? g : 16;
+  }();
+  return group;
 }
 
 template <Fp8Format F, typename T>

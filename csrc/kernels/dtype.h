@@ -60,9 +60,10 @@ TPFP8_HD fp16_t to_fp16(float x) {
 
 template <typename T>
 TPFP8_HD T from_float(float x);
+// NaN leaves as the canonical quiet NaN: the GPU's fp32 arithmetic does not keep payloads.
 template <>
 TPFP8_HD float from_float<float>(float x) {
-  return x;
+  return (float_bits(x) & 0x7FFFFFFFu) > 0x7F800000u ? bits_float(0x7FC00000u) : x;
 }
 template <>
 TPFP8_HD bf16_t from_float<bf16_t>(float x) {
