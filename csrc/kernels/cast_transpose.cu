@@ -155,8 +155,8 @@ void launch(const T* in, int64_t rows, int64_t cols, const float* scale, uint8_t
   const int64_t tiles = ((rows + kTileRows - 1) / kTileRows) * ((cols + kTileCols - 1) / kTileCols);
   const int grid = static_cast<int>(
       std::max<int64_t>(1, std::min<int64_t>(tiles, int64_t{current_sm_count()} * 4)));
-  tile_transpose_kernel<F, T><<<grid, kThreads, 0, stream>>>(in, rows, cols, scale, rowwise,
-                                                             columnwise, amax, scale_inv, vec);
+  tile_transpose_kernel<F, T><<<grid, kThreads, 0, stream>>>(
+      in, rows, cols, scale, rowwise, columnwise, amax, scale_inv, vec, tile_group());
 }
 
 }  // namespace
