@@ -50,11 +50,11 @@ __device__ __forceinline__ void transpose8x8(const uint2 rows[8], uint2 cols[8])
   }
 }
 
-// Loads 8 elements of a row and produces their 8 FP8 bytes: a cast for high-precision input,
-// a plain copy for FP8 input (the transpose-only op).
+// The 8 FP8 bytes of a loaded row segment: a cast for high-precision input, the bytes
+// themselves for FP8 input (the transpose-only op).
 template <Fp8Format F, typename T>
-__device__ __forceinline__ uint2 row_bytes(const T* p, float scale, uint32_t& amax) {
-  const auto pack = *reinterpret_cast<const device::Pack8<T>*>(p);
+__device__ __forceinline__ uint2 row_bytes(const device::Pack8<T>& pack, float scale,
+                                           uint32_t& amax) {
   if constexpr (std::is_same_v<T, uint8_t>) {
     return *reinterpret_cast<const uint2*>(&pack);
   } else {
@@ -80,9 +80,15 @@ __device__ __forceinline__ void block8x8(const T* __restrict__ in, int64_t rows,
                                          uint8_t* __restrict__ rowwise,
                                          uint8_t* __restrict__ columnwise, uint32_t& amax) {
   if (vec && m0 + 8 <= rows && k0 + 8 <= cols) {
+    // All eight loads are issued before any is used: they are in flight together.
+    device::Pack8<T> packs[8];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      packs[r] = *reinterpret_cast<const device::Pack8<T>*>(in + (m0 + r) * cols + k0);
+    }
     uint2 r8[8];
 #pragma unroll
-    for (int r = 0; r < 8; ++r) r8[r] = row_bytes<F>(in + (m0 + r) * cols + k0, scale, amax);
+    for (int r = 0; r < 8; ++r) r8[r] = row_bytes<F>(packs[r], scale, amax);
     if (rowwise) {
 #pragma unroll
       for (int r = 0; r < 8; ++r) *reinterpret_cast<uint2*>(rowwise + (m0 + r) * cols + k0) = r8[r];
