@@ -31,6 +31,7 @@ build-python: deps
 
 build-cpp: deps
 	cmake -S . -B $(CMAKE_BUILD) -DCMAKE_BUILD_TYPE=Release \
+	  "-DTPFP8_CUDA_LIBRARY_ROOTS=$$($(PYTHON) -c 'import glob, site; print(";".join(g for s in site.getsitepackages() for g in glob.glob(s + "/nvidia/cu*")))')" \
 	  $$([ -x /usr/local/cuda/bin/nvcc ] && echo -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc)
 	cmake --build $(CMAKE_BUILD) -j $(JOBS)
 

@@ -44,9 +44,28 @@ def _cuda_available():
     return torch.version.cuda is not None and bool(nvcc or shutil.which("nvcc"))
 
 
+def _cublaslt():
+    """(include dir, library file) of cuBLASLt: the CUDA toolkit's, or the copy that torch's
+    nvidia-cublas wheel installed (a toolkit without cuBLAS is common on build machines)."""
+    import site
+    import sys
+
+    roots = [cpp_extension.CUDA_HOME or ""]
+    for sp in site.getsitepackages() + [site.getusersitepackages()] + sys.path:
+        roots += sorted(glob.glob(os.path.join(sp, "nvidia", "cu*"))) + [
+            os.path.join(sp, "nvidia", "cublas")]
+    for root in roots:
+        header = os.path.join(root, "include", "cublasLt.h")
+        libs = sorted(glob.glob(os.path.join(root, "lib*", "libcublasLt.so*")), key=len)
+        if os.path.exists(header) and libs:
+            return os.path.dirname(header), libs[0]
+    raise RuntimeError("cuBLASLt not found (cublasLt.h + libcublasLt.so): install the CUDA "
+                       "toolkit's cuBLAS or `pip install nvidia-cublas`, or set TPFP8_FORCE_CPU=1")
+
+
 def _sources(with_cuda):
     rel = lambda pattern: sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
-    sources = rel("csrc/*.cpp") + rel("csrc/kernels/*_cpu.cpp")
+    sources = rel("csrc/*.cpp") + rel("csrc/kernels/*.cpp")
     if with_cuda:
         sources += rel("csrc/kernels/*.cu")
     return sources
@@ -62,10 +81,15 @@ def _extension():
             "tpfp8._C", _sources(False), include_dirs=include_dirs,
             extra_compile_args={"cxx": cxx})
     gencode = os.environ.get("TPFP8_CUDA_GENCODE", DEFAULT_GENCODE).split()
+    lt_include, lt_lib = _cublaslt()
+    include_dirs.append(lt_include)
     nvcc = ["-O3", "-std=c++17", "-DTPFP8_WITH_CUDA", "--expt-relaxed-constexpr"] + gencode
     return cpp_extension.CUDAExtension(
         "tpfp8._C", _sources(True), include_dirs=include_dirs,
         define_macros=[("TPFP8_WITH_CUDA", None)],
+        # The wheel ships only libcublasLt.so.N (no unversioned link): link that file by name.
+        extra_link_args=[f"-l:{os.path.basename(lt_lib)}", f"-L{os.path.dirname(lt_lib)}",
+                         f"-Wl,-rpath,{os.path.dirname(lt_lib)}"],
         extra_compile_args={"cxx": cxx, "nvcc": nvcc})
 
 

@@ -117,8 +117,8 @@ template <Fp8Format F, typename T>
 __global__ void __launch_bounds__(kThreads)
     tile_transpose_kernel(const T* __restrict__ in, int64_t rows, int64_t cols,
                           const float* __restrict__ scale_ptr, uint8_t* __restrict__ rowwise,
-                          uint8_t* __restrict__ columnwise, float* amax, float* scale_inv,
-                          bool vec, int group) {
+                          uint8_t* __restrict__ columnwise, float* amax, float* scale_inv, bool vec,
+                          int group) {
   const float scale = scale_ptr ? *scale_ptr : 1.0f;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t dm = (warp / kWarpsK) * kWarpRows + (lane / 4) * 8;

@@ -106,3 +106,49 @@ def delayed_scaling_update(amax_history: torch.Tensor, scale: torch.Tensor,
                          f"{amax_compute_algo!r}")
     _ops.delayed_scaling_update(amax_history, scale, scale_inv, fp8_max, int(margin),
                                 amax_compute_algo == "max")
+
+
+_GEMM_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_FP8_DTYPES = {getattr(torch, name): fmt for name, fmt in
+               (("float8_e4m3fn", Fp8Format.E4M3), ("float8_e5m2", Fp8Format.E5M2))
+               if hasattr(torch, name)}
+
+
+def _gemm_type(t: torch.Tensor, fp8_format) -> int:
+    if fp8_format is None and t.dtype in _FP8_DTYPES:
+        fp8_format = _FP8_DTYPES[t.dtype]
+    if fp8_format is not None:
+        return 3 + int(Fp8Format.parse(fp8_format))
+    if t.dtype == torch.uint8:
+        raise ValueError("uint8 GEMM operand: say which FP8 format it holds "
+                         "(a_format= / b_format= 'e4m3' or 'e5m2')")
+    if t.dtype not in _GEMM_TYPES:
+        raise ValueError(f"GEMM operands are float32, bfloat16, float16 or FP8, got {t.dtype}")
+    return _GEMM_TYPES[t.dtype]
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = None,
+         out_dtype: torch.dtype = torch.bfloat16, a_scale_inv: Optional[torch.Tensor] = None,
+         b_scale_inv: Optional[torch.Tensor] = None, a_format=None, b_format=None,
+         bias: Optional[torch.Tensor] = None, accumulate: bool = False,
+         fast_accum: bool = False, a_transposed: bool = False,
+         b_transposed: bool = False) -> torch.Tensor:
+    """``D[M, N] = (a_scale_inv * b_scale_inv) * A . B^T (+ bias) (+ D if accumulate)``.
+
+    ``A`` is ``[M, K]`` and ``B`` is ``[N, K]`` (both K-major; for high-precision operands,
+    ``a_transposed`` / ``b_transposed`` take ``[K, M]`` / ``[K, N]`` instead). FP8 operands are
+    uint8 codes with ``a_format``/``b_format`` (or ``torch.float8_*`` tensors) and a one-element
+    fp32 ``scale_inv``; K and N must then be multiples of 16. Accumulation is fp32;
+    ``fast_accum`` allows reduced-precision accumulation in FP8 kernels (for fprop).
+    ``accumulate=True`` adds into ``out`` (e.g. an fp32 ``main_grad``).
+    """
+    a_type, b_type = _gemm_type(a, a_format), _gemm_type(b, b_format)
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True needs the `out` tensor to add into")
+        m = a.shape[1] if a_transposed else a.shape[0]
+        n = b.shape[1] if b_transposed else b.shape[0]
+        out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    _ops.gemm(_as_codes(a), _as_codes(b), out, a_scale_inv, b_scale_inv, a_type, b_type, bias,
+              accumulate, fast_accum, a_transposed, b_transposed)
+    return out

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Builds tpfp8 on a GPU machine, runs the GPU tests and the benchmarks, writes logs to $OUT.
+#   OUT=/tmp/out bash bench/device_run.sh [cast|gemm|tests ...]   (default: all)
+# On the lent H200 the image's default compiler (/opt/gcc) breaks C++ exceptions thrown from the
+# extension (any TORCH_CHECK segfaults); the system g++ works, so it is pinned here.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/out}
+mkdir -p "$OUT"
+export MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
+export CXX=${TPFP8_CXX:-/usr/bin/g++} CC=${TPFP8_CC:-/usr/bin/gcc}
+steps=${*:-tests cast gemm}
+log=$OUT/device.log
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$log"
+python3 setup.py -q build_ext --inplace >> "$log" 2>&1 || { tail -30 "$log"; exit 1; }
+gtest=$PWD/.deps/googletest; [ -d "$gtest" ] || gtest=/usr/src/googletest
+for step in $steps; do
+  case $step in
+    tests)
+      cmake -S . -B build/cmake -DTPFP8_GTEST_SOURCE_DIR="$gtest" >> "$log" 2>&1 &&
+        cmake --build build/cmake -j "$MAX_JOBS" >> "$log" 2>&1 || { tail -30 "$log"; exit 1; }
+      (cd build/cmake && ctest --output-on-failure 2>&1) | tee -a "$log" | tail -4
+      python3 -m pytest tests_py -q -rs -p no:cacheprovider 2>&1 | tee -a "$log" | tail -4 ;;
+    cast) python3 bench/cast.py --out "$OUT" 2>&1 | tee -a "$log" | grep -E '^\|' ;;
+    gemm) python3 bench/gemm.py --out "$OUT" 2>&1 | tee -a "$log" | grep -E '^\|' ;;
+    *) echo "unknown step $step" ;;
+  esac
+done

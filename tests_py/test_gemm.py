@@ -1,0 +1,182 @@
+"""tpfp8.ops.gemm: the CPU reference against float64 math, cuBLASLt against the CPU reference
+on the same FP8 bytes, and the argument errors."""
+import numpy as np
+import pytest
+import torch
+
+from conftest import requires_gpu
+from fp8_oracle import code_values
+from tpfp8 import ops
+
+FP8_PAIRS = [("e4m3", "e4m3"), ("e4m3", "e5m2"), ("e5m2", "e4m3")]
+
+
+def rand(shape, seed, dtype=torch.float32):
+    """Random values, never zero (a zero hides an unwritten or mis-indexed element)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    return torch.where(x.abs() < 1e-3, torch.full_like(x, 0.5), x).to(dtype)
+
+
+def fp8_operand(shape, fmt, seed, transposed_like=False):
+    x = rand(shape, seed)
+    scale = torch.tensor([{"e4m3": 64.0, "e5m2": 4096.0}[fmt] / float(x.abs().max())])
+    q = ops.quantize(x, scale, fmt)
+    return q.rowwise, q.scale_inv
+
+
+def decoded(codes, fmt, scale_inv):
+    return code_values(fmt)[codes.numpy()] * float(scale_inv)
+
+
+def rel_err(got, want):
+    got, want = got.double().cpu(), torch.as_tensor(want).double()
+    assert not torch.isnan(got).any(), "NaN in the result (an unwritten or overflowed element)"
+    return float((got - want).norm() / want.norm())
+
+
+# ---- CPU reference --------------------------------------------------------------------
+
+@pytest.mark.parametrize("fa,fb", FP8_PAIRS)
+def test_cpu_fp8_gemm_matches_float64(fa, fb):
+    a, sa = fp8_operand((17, 48), fa, 1)
+    b, sb = fp8_operand((32, 48), fb, 2)
+    bias = rand((32,), 3, torch.bfloat16)
+    d = ops.gemm(a, b, a_format=fa, b_format=fb, a_scale_inv=sa, b_scale_inv=sb, bias=bias,
+                 out_dtype=torch.float32)
+    want = decoded(a, fa, sa) @ decoded(b, fb, sb).T + bias.double().numpy()
+    assert rel_err(d, want) < 1e-7
+
+
+@pytest.mark.parametrize("a_t,b_t", [(False, False), (True, False), (False, True), (True, True)])
+def test_cpu_high_precision_layouts_and_accumulate(a_t, b_t):
+    a, b = rand((9, 20), 4), rand((13, 20), 5)
+    a_in = a.t().contiguous() if a_t else a
+    b_in = b.t().contiguous() if b_t else b
+    d = ops.gemm(a_in, b_in, a_transposed=a_t, b_transposed=b_t, out_dtype=torch.float32)
+    want = a.double() @ b.double().T
+    assert rel_err(d, want) < 1e-6
+    ops.gemm(a_in, b_in, out=d, accumulate=True, a_transposed=a_t, b_transposed=b_t)
+    assert rel_err(d, 2 * want) < 1e-6
+
+
+def test_accept_float8_dtypes_directly():
+    a, sa = fp8_operand((16, 32), "e4m3", 6)
+    b, sb = fp8_operand((16, 32), "e5m2", 7)
+    d1 = ops.gemm(a.view(torch.float8_e4m3fn), b.view(torch.float8_e5m2), a_scale_inv=sa,
+                  b_scale_inv=sb)
+    d2 = ops.gemm(a, b, a_format="e4m3", b_format="e5m2", a_scale_inv=sa, b_scale_inv=sb)
+    assert torch.equal(d1, d2)
+
+
+def _fp8(shape, fmt="e4m3"):
+    return fp8_operand(shape, fmt, 11)
+
+
+ERRORS = [
+    (lambda: ops.gemm(*[_fp8((16, 24))[0]] * 2, a_format="e4m3", b_format="e4m3",
+                      a_scale_inv=torch.ones(1), b_scale_inv=torch.ones(1)),
+     r"multiple of 16, got K=24"),
+    (lambda: ops.gemm(_fp8((16, 32))[0], _fp8((24, 32))[0], a_format="e4m3", b_format="e4m3",
+                      a_scale_inv=torch.ones(1), b_scale_inv=torch.ones(1)),
+     r"multiple of 16, got N=24"),
+    (lambda: ops.gemm(_fp8((16, 32))[0], _fp8((16, 32))[0], a_format="e5m2", b_format="e5m2",
+                      a_scale_inv=torch.ones(1), b_scale_inv=torch.ones(1)), "two e5m2"),
+    (lambda: ops.gemm(_fp8((16, 32))[0], _fp8((32, 16))[0], a_format="e4m3", b_format="e4m3",
+                      a_scale_inv=torch.ones(1), b_scale_inv=torch.ones(1), b_transposed=True),
+     "TN only"),
+    (lambda: ops.gemm(_fp8((16, 32))[0], rand((16, 32), 1), a_format="e4m3",
+                      a_scale_inv=torch.ones(1)), "cannot mix"),
+    (lambda: ops.gemm(_fp8((16, 32))[0], _fp8((16, 32))[0], a_format="e4m3", b_format="e4m3"),
+     "needs its scale_inv"),
+    (lambda: ops.gemm(rand((4, 8), 1), rand((4, 8), 2, torch.bfloat16)), "one dtype"),
+    (lambda: ops.gemm(rand((4, 8), 1), rand((4, 6), 2)), "K=8 but B over K=6"),
+    (lambda: ops.gemm(rand((4, 8), 1), rand((4, 8), 2), out=torch.empty(4, 5)),
+     "out must be Float of shape"),
+    (lambda: ops.gemm(rand((4, 8), 1), rand((4, 8), 2), out_dtype=torch.float32,
+                      bias=torch.ones(5)), r"bias must be \[N\]"),
+    (lambda: ops.gemm(torch.zeros(4, 16, dtype=torch.uint8), rand((4, 16), 2)), "FP8 format"),
+]
+
+
+@pytest.mark.parametrize("call,message", ERRORS)
+def test_bad_gemm_raises_clear_error(call, message):
+    with pytest.raises((RuntimeError, ValueError), match=message):
+        call()
+
+
+# ---- GPU: cuBLASLt against the CPU reference on the same bytes --------------------------
+
+GPU_SHAPES = [(1, 16, 16), (16, 32, 64), (17, 48, 80), (4096, 16, 8192), (64, 8192, 16),
+              (4096, 1024, 2048), (17, 8192, 8192)]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -10}
+
+
+def gpu_vs_cpu(a, b, out_dtype, bias=None, accumulate=False, **kw):
+    """Runs on both devices; for large M the CPU reference covers a sample of rows."""
+    m, n = a.shape[0], b.shape[0]
+    rows = torch.arange(m) if m <= 256 else torch.randperm(m)[:128].sort().values
+    init = rand((m, n), 99, out_dtype)
+    gpu_out = init.cuda() if accumulate else torch.full((m, n), float("nan"), dtype=out_dtype,
+                                                        device="cuda")
+    cuda = lambda t: None if t is None else t.cuda()
+    ops.gemm(a.cuda(), b.cuda(), out=gpu_out, bias=cuda(bias), accumulate=accumulate,
+             **{k: cuda(v) if isinstance(v, torch.Tensor) else v for k, v in kw.items()})
+    cpu_out = init[rows].clone()
+    ops.gemm(a[rows].contiguous(), b, out=cpu_out, bias=bias, accumulate=accumulate, **kw)
+    return gpu_out.cpu()[rows], cpu_out
+
+
+@requires_gpu
+@pytest.mark.parametrize("m,k,n", GPU_SHAPES)
+@pytest.mark.parametrize("fa,fb", FP8_PAIRS)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_gpu_fp8_gemm_matches_cpu(m, k, n, fa, fb, out_dtype, fast_accum):
+    a, sa = fp8_operand((m, k), fa, m + k)
+    b, sb = fp8_operand((n, k), fb, n + 3 * k)
+    bias = rand((n,), 5, torch.bfloat16) if (m + n) % 2 else None
+    got, want = gpu_vs_cpu(a, b, out_dtype, bias=bias, a_format=fa, b_format=fb,
+                           a_scale_inv=sa, b_scale_inv=sb, fast_accum=fast_accum)
+    tol = max(TOL[out_dtype], 2e-3 if fast_accum else 1e-5)
+    assert rel_err(got, want) <= tol
+
+
+@requires_gpu
+@pytest.mark.parametrize("m,k,n", GPU_SHAPES[:5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gpu_high_precision_gemm_matches_cpu(m, k, n, dtype, accumulate):
+    a, b = rand((m, k), 1, dtype), rand((n, k), 2, dtype)
+    got, want = gpu_vs_cpu(a, b, torch.float32, bias=rand((n,), 3), accumulate=accumulate)
+    assert rel_err(got, want) <= 1e-5
+
+
+@requires_gpu
+def test_gpu_fp8_accumulate_into_fp32_main_grad():
+    a, sa = fp8_operand((256, 512), "e5m2", 1)
+    b, sb = fp8_operand((128, 512), "e4m3", 2)
+    got, want = gpu_vs_cpu(a, b, torch.float32, accumulate=True, a_format="e5m2",
+                           b_format="e4m3", a_scale_inv=sa, b_scale_inv=sb)
+    assert rel_err(got, want) <= 1e-5
+
+
+@requires_gpu
+def test_gpu_gemm_is_cuda_graph_capturable():
+    a, sa = fp8_operand((512, 256), "e4m3", 1)
+    b, sb = fp8_operand((384, 256), "e4m3", 2)
+    a, b, sa, sb = a.cuda(), b.cuda(), sa.cuda(), sb.cuda()
+    out = torch.empty(512, 384, dtype=torch.bfloat16, device="cuda")
+    run = lambda: ops.gemm(a, b, out=out, a_format="e4m3", b_format="e4m3", a_scale_inv=sa,
+                           b_scale_inv=sb, fast_accum=True)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        run()  # warm-up on the capture stream: plan and workspace are made here
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            run()
+    want = out.clone()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
