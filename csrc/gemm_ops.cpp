@@ -33,8 +33,8 @@ GemmType storage_type(const at::Tensor& t, const char* name) {
 }
 
 // One operand: its declared type must agree with its storage; returns (rows, K).
-GemmOperand operand(const at::Tensor& t, GemmType type, const OptTensor& scale_inv,
-                    bool transposed, const char* name, const at::Tensor& out) {
+GemmOperand operand(const at::Tensor& t, GemmType type, const OptTensor& scale_inv, bool transposed,
+                    const char* name, const at::Tensor& out) {
   check_2d(t, name);
   check_contiguous(t, name);
   check_same_device(t, out, name, "out");
@@ -43,8 +43,8 @@ GemmOperand operand(const at::Tensor& t, GemmType type, const OptTensor& scale_i
   op.transposed = transposed;
   op.data = t.data_ptr();
   if (is_fp8(type)) {
-    TORCH_CHECK(t.element_size() == 1, name, " is declared ", gemm_type_name(type),
-                " but holds ", t.scalar_type(), "; pass FP8 codes as uint8 or float8");
+    TORCH_CHECK(t.element_size() == 1, name, " is declared ", gemm_type_name(type), " but holds ",
+                t.scalar_type(), "; pass FP8 codes as uint8 or float8");
     TORCH_CHECK(scale_inv.has_value(), name, " is FP8 and needs its scale_inv");
     check_scalar_f32(*scale_inv, "scale_inv", t, name);
     op.scale_inv = scale_inv->data_ptr<float>();
@@ -65,8 +65,7 @@ void* workspace_for(const at::Tensor& like) {
   const std::lock_guard<std::mutex> lock(mutex);
   at::Tensor& buf = buffers[{like.device().index(), stream.id()}];
   if (!buf.defined()) {
-    buf = at::empty({static_cast<int64_t>(kGemmWorkspaceBytes)},
-                    like.options().dtype(at::kByte));
+    buf = at::empty({static_cast<int64_t>(kGemmWorkspaceBytes)}, like.options().dtype(at::kByte));
   }
   return buf.data_ptr();
 #else
@@ -85,8 +84,8 @@ void gemm(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, const OptTe
   p.k = a_transposed ? a.size(0) : a.size(1);
   p.n = b_transposed ? b.size(1) : b.size(0);
   const int64_t kb = b_transposed ? b.size(0) : b.size(1);
-  TORCH_CHECK(kb == p.k, "A contracts over K=", p.k, " but B over K=", kb, " (A ",
-              shape_str(a), a_transposed ? " transposed" : "", ", B ", shape_str(b),
+  TORCH_CHECK(kb == p.k, "A contracts over K=", p.k, " but B over K=", kb, " (A ", shape_str(a),
+              a_transposed ? " transposed" : "", ", B ", shape_str(b),
               b_transposed ? " transposed" : "", ")");
   p.d_type = storage_type(out, "out");
   check_output(out, "out", {p.m, p.n}, out.scalar_type(), out);

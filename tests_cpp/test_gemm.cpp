@@ -1,9 +1,8 @@
 // gemm (kernels/gemm.h): the CPU reference against a direct computation, the argument rules,
 // and the cuBLASLt path against the CPU reference on the same FP8 bytes.
-#include "kernels/gemm.h"
-
 #include <cmath>
 
+#include "kernels/gemm.h"
 #include "test_util.h"
 
 namespace tpfp8 {
@@ -101,7 +100,9 @@ TEST(GemmCuda, Fp8MatchesCpuReference) {
     p.d = dd.get(), p.workspace = ws.get(), p.workspace_size = kGemmWorkspaceBytes;
     ASSERT_EQ(gemm_cuda(p, nullptr), "");
     std::vector<double> want(cpu.begin(), cpu.end());
-    EXPECT_LT(rel_err(dd.to_host(), want), 1e-5) << m << "x" << n << "x" << k;
+    // Hopper FP8 tensor cores accumulate with ~14 mantissa bits between fp32 promotions
+    // (see tests_py/test_gemm.py): 1e-3 normwise, measured up to 3.3e-4.
+    EXPECT_LT(rel_err(dd.to_host(), want), 1e-3) << m << "x" << n << "x" << k;
   }
 #endif
 }

@@ -112,8 +112,9 @@ struct Shape {
 };
 // The shapes every kernel is checked at: 1-element, long rows, odd tails, large.
 inline const std::vector<Shape>& kernel_shapes() {
-  static const std::vector<Shape> shapes = {{1, 1},    {1, 4097},    {17, 33},   {127, 129},
-                                            {64, 256}, {4096, 4096}, {8191, 129}};
+  static const std::vector<Shape> shapes = {{1, 1},       {1, 4097},    {17, 33},
+                                            {127, 129},   {160, 136},   {64, 256},
+                                            {4096, 4096}, {4096, 4104}, {8191, 129}};
   return shapes;
 }
 

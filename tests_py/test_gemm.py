@@ -112,7 +112,7 @@ GPU_SHAPES = [(1, 16, 16), (16, 32, 64), (17, 48, 80), (4096, 16, 8192), (64, 81
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -10}
 
 
-def gpu_vs_cpu(a, b, out_dtype, bias=None, accumulate=False, **kw):
+def gpu_vs_cpu(a, b, out_dtype, bias=None, accumulate=False, return_rows=False, **kw):
     """Runs on both devices; for large M the CPU reference covers a sample of rows."""
     m, n = a.shape[0], b.shape[0]
     rows = torch.arange(m) if m <= 256 else torch.randperm(m)[:128].sort().values
@@ -124,7 +124,26 @@ def gpu_vs_cpu(a, b, out_dtype, bias=None, accumulate=False, **kw):
              **{k: cuda(v) if isinstance(v, torch.Tensor) else v for k, v in kw.items()})
     cpu_out = init[rows].clone()
     ops.gemm(a[rows].contiguous(), b, out=cpu_out, bias=bias, accumulate=accumulate, **kw)
-    return gpu_out.cpu()[rows], cpu_out
+    return (gpu_out.cpu()[rows], cpu_out) + ((rows,) if return_rows else ())
+
+
+# Hopper's FP8 tensor cores keep about 14 mantissa bits while they accumulate inside one
+# promotion interval (cuBLASLt's "split" accumulation then adds those partial sums in fp32;
+# "fast" accumulation never promotes). So FP8 results differ from an exact fp32 sum by ~2^-14
+# relative per element with split accumulation and by more, growing with K, with fast
+# accumulation -- measured on the H200: up to 3.3e-4 (split) and 6.3e-3 (fast, K=1024)
+# normwise. The bounds below are those physics plus margin, and every case is also held to
+# the error of torch._scaled_mm (the vendor path through the same library) on the same bytes.
+FP8_BOUND = {False: 1e-3, True: 2e-2}
+
+
+def scaled_mm_error(a, b, fa, fb, sa, sb, fast_accum, want, rows):
+    """Normwise error of torch._scaled_mm (fp32 out) on the same FP8 bytes and scales."""
+    dt = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+    ref = torch._scaled_mm(a.cuda().view(dt[fa]), b.cuda().view(dt[fb]).t(),
+                           scale_a=sa.cuda(), scale_b=sb.cuda(), out_dtype=torch.float32,
+                           use_fast_accum=fast_accum)
+    return rel_err(ref.cpu()[rows], want)
 
 
 @requires_gpu
@@ -136,10 +155,13 @@ def test_gpu_fp8_gemm_matches_cpu(m, k, n, fa, fb, out_dtype, fast_accum):
     a, sa = fp8_operand((m, k), fa, m + k)
     b, sb = fp8_operand((n, k), fb, n + 3 * k)
     bias = rand((n,), 5, torch.bfloat16) if (m + n) % 2 else None
-    got, want = gpu_vs_cpu(a, b, out_dtype, bias=bias, a_format=fa, b_format=fb,
-                           a_scale_inv=sa, b_scale_inv=sb, fast_accum=fast_accum)
-    tol = max(TOL[out_dtype], 2e-3 if fast_accum else 1e-5)
-    assert rel_err(got, want) <= tol
+    got, want, rows = gpu_vs_cpu(a, b, out_dtype, bias=bias, a_format=fa, b_format=fb,
+                                 a_scale_inv=sa, b_scale_inv=sb, fast_accum=fast_accum,
+                                 return_rows=True)
+    err = rel_err(got, want)
+    assert err <= max(TOL[out_dtype], FP8_BOUND[fast_accum])
+    if out_dtype == torch.float32 and bias is None:
+        assert err <= 2 * scaled_mm_error(a, b, fa, fb, sa, sb, fast_accum, want, rows) + 1e-6
 
 
 @requires_gpu
@@ -158,7 +180,7 @@ def test_gpu_fp8_accumulate_into_fp32_main_grad():
     b, sb = fp8_operand((128, 512), "e4m3", 2)
     got, want = gpu_vs_cpu(a, b, torch.float32, accumulate=True, a_format="e5m2",
                            b_format="e4m3", a_scale_inv=sa, b_scale_inv=sb)
-    assert rel_err(got, want) <= 1e-5
+    assert rel_err(got, want) <= FP8_BOUND[False]
 
 
 @requires_gpu

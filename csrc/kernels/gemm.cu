@@ -6,6 +6,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -49,8 +50,8 @@ struct PlanKey {
   size_t workspace;
   int align_a, align_b, align_d;
   auto tie() const {
-    return std::tie(device, m, n, k, a_type, b_type, d_type, bias_type, a_t, b_t, bias,
-                    accumulate, fast_accum, workspace, align_a, align_b, align_d);
+    return std::tie(device, m, n, k, a_type, b_type, d_type, bias_type, a_t, b_t, bias, accumulate,
+                    fast_accum, workspace, align_a, align_b, align_d);
   }
   bool operator<(const PlanKey& o) const { return tie() < o.tie(); }
 };
@@ -78,14 +79,14 @@ State& state() {
   return *s;
 }
 
-#define TPFP8_LT(expr)                                                           \
-  do {                                                                           \
-    const cublasStatus_t st_ = (expr);                                           \
-    if (st_ != CUBLAS_STATUS_SUCCESS) {                                          \
-      std::ostringstream os_;                                                    \
+#define TPFP8_LT(expr)                                                               \
+  do {                                                                               \
+    const cublasStatus_t st_ = (expr);                                               \
+    if (st_ != CUBLAS_STATUS_SUCCESS) {                                              \
+      std::ostringstream os_;                                                        \
       os_ << "cuBLASLt call " #expr " failed with status " << static_cast<int>(st_); \
-      return os_.str();                                                          \
-    }                                                                            \
+      return os_.str();                                                              \
+    }                                                                                \
   } while (0)
 
 template <typename T>
@@ -93,9 +94,70 @@ cublasStatus_t set(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, 
   return cublasLtMatmulDescSetAttribute(d, attr, &v, sizeof(v));
 }
 
+bool autotune_enabled() {
+  static const bool on = [] {
+    const char* env = std::getenv("TPFP8_GEMM_AUTOTUNE");
+    return !(env && std::strcmp(env, "0") == 0);
+  }();
+  return on;
+}
+
+void set_pointers(const Plan& plan, const GemmParams& p) {
+  // cuBLAS's first operand is our B, so the scale pointers swap.
+  if (is_fp8(p.a.type)) {
+    set(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(p.b.scale_inv));
+    set(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(p.a.scale_inv));
+  }
+  if (p.bias) set(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, p.bias);
+}
+
+cublasStatus_t run(cublasLtHandle_t handle, const Plan& plan, const cublasLtMatmulAlgo_t& algo,
+                   const GemmParams& p, cudaStream_t stream) {
+  const float alpha = 1.0f, beta = p.accumulate ? 1.0f : 0.0f;
+  return cublasLtMatmul(handle, plan.desc, &alpha, p.b.data, plan.a, p.a.data, plan.b, &beta, p.d,
+                        plan.d, p.d, plan.d, &algo, p.workspace, p.workspace_size, stream);
+}
+
+// The heuristic's first choice is sometimes several percent off the best of its own list, so
+// the first call of a shape times the candidates once (a one-time host wait, like cuDNN's
+// benchmark mode; TPFP8_GEMM_AUTOTUNE=0 turns it off). Skipped when D is accumulated into
+// (a trial run would change it) and while the stream is being captured into a CUDA graph.
+cublasLtMatmulAlgo_t fastest(cublasLtHandle_t handle, const Plan& plan, const GemmParams& p,
+                             const cublasLtMatmulHeuristicResult_t* results, int found,
+                             cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaStreamIsCapturing(stream, &capture);
+  if (found == 1 || p.accumulate || capture != cudaStreamCaptureStatusNone || !autotune_enabled()) {
+    return results[0].algo;
+  }
+  set_pointers(plan, p);
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  int best = 0;
+  float best_ms = 1e30f;
+  for (int i = 0; i < found; ++i) {
+    if (run(handle, plan, results[i].algo, p, stream) != CUBLAS_STATUS_SUCCESS) continue;
+    cudaEventRecord(start, stream);
+    constexpr int kReps = 3;
+    for (int r = 0; r < kReps; ++r) run(handle, plan, results[i].algo, p, stream);
+    cudaEventRecord(stop, stream);
+    float ms = 0.0f;
+    if (cudaEventSynchronize(stop) == cudaSuccess &&
+        cudaEventElapsedTime(&ms, start, stop) == cudaSuccess && ms < best_ms) {
+      best_ms = ms;
+      best = i;
+    }
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaGetLastError();  // a candidate that failed to launch leaves no sticky error behind
+  return results[best].algo;
+}
+
 // Descriptors and algorithm for one key; column-major view described in the file comment.
-std::string build_plan(const GemmParams& p, const PlanKey& key, cublasLtHandle_t handle,
-                       Plan& plan) {
+std::string build_plan(const GemmParams& p, const PlanKey& key, cublasLtHandle_t handle, Plan& plan,
+                       cudaStream_t stream) {
   TPFP8_LT(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t op_first = p.b.transposed ? CUBLAS_OP_N : CUBLAS_OP_T;
   const cublasOperation_t op_second = p.a.transposed ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -130,10 +192,11 @@ std::string build_plan(const GemmParams& p, const PlanKey& key, cublasLtHandle_t
                                        sizeof(ad));
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ad,
                                        sizeof(ad));
-  cublasLtMatmulHeuristicResult_t result{};
+  constexpr int kCandidates = 8;
+  cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
   int found = 0;
   const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(
-      handle, plan.desc, plan.a, plan.b, plan.d, plan.d, pref, 1, &result, &found);
+      handle, plan.desc, plan.a, plan.b, plan.d, plan.d, pref, kCandidates, results, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
     std::ostringstream os;
@@ -141,11 +204,10 @@ std::string build_plan(const GemmParams& p, const PlanKey& key, cublasLtHandle_t
        << ", A " << gemm_type_name(p.a.type) << (p.a.transposed ? " (transposed)" : "") << ", B "
        << gemm_type_name(p.b.type) << (p.b.transposed ? " (transposed)" : "") << ", D "
        << gemm_type_name(p.d_type) << (p.bias ? ", bias " : "")
-       << (p.bias ? gemm_type_name(p.bias_type) : "") << " (status " << static_cast<int>(st)
-       << ")";
+       << (p.bias ? gemm_type_name(p.bias_type) : "") << " (status " << static_cast<int>(st) << ")";
     return os.str();
   }
-  plan.algo = result.algo;
+  plan.algo = fastest(handle, plan, p, results, found, stream);
   return {};
 }
 
@@ -173,7 +235,7 @@ std::string gemm_cuda(const GemmParams& p, cudaStream_t stream) {
   std::unique_ptr<Plan>& plan = s.plans[key];
   if (!plan) {
     auto fresh = std::make_unique<Plan>();
-    err = build_plan(p, key, handle, *fresh);
+    err = build_plan(p, key, handle, *fresh, stream);
     if (!err.empty()) {
       s.plans.erase(key);
       return err;
@@ -181,17 +243,8 @@ std::string gemm_cuda(const GemmParams& p, cudaStream_t stream) {
     plan = std::move(fresh);
   }
   // Pointer attributes change per call; the descriptor is shared, hence under the lock.
-  const void* first_scale = p.b.scale_inv;  // cuBLAS A is our B
-  const void* second_scale = p.a.scale_inv;
-  if (is_fp8(p.a.type)) {
-    TPFP8_LT(set(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, first_scale));
-    TPFP8_LT(set(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, second_scale));
-  }
-  if (p.bias) TPFP8_LT(set(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, p.bias));
-  const float alpha = 1.0f, beta = p.accumulate ? 1.0f : 0.0f;
-  TPFP8_LT(cublasLtMatmul(handle, plan->desc, &alpha, p.b.data, plan->a, p.a.data, plan->b,
-                          &beta, p.d, plan->d, p.d, plan->d, &plan->algo, p.workspace,
-                          p.workspace_size, stream));
+  set_pointers(*plan, p);
+  TPFP8_LT(run(handle, *plan, plan->algo, p, stream));
   return {};
 }
 

@@ -1,6 +1,7 @@
 // One GEMM entry point for the three GEMMs of a Linear, in row-major terms:
 //
-//   D[M, N] = (a_scale_inv * b_scale_inv) * sum_k A[m, k] * B[n, k]  (+ bias[n])  (+ D if accumulate)
+//   D[M, N] = (a_scale_inv * b_scale_inv) * sum_k A[m, k] * B[n, k]  (+ bias[n])  (+ D if
+//   accumulate)
 //
 // A and B are K-major by default: A stored [M, K], B stored [N, K], K contiguous -- the layout
 // Hopper's FP8 tensor cores take (cuBLASLt "TN"). High-precision operands may instead be stored
@@ -21,9 +22,7 @@ namespace tpfp8 {
 enum class GemmType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kE4M3 = 3, kE5M2 = 4 };
 
 inline bool is_fp8(GemmType t) { return t == GemmType::kE4M3 || t == GemmType::kE5M2; }
-inline int element_size(GemmType t) {
-  return t == GemmType::kFloat32 ? 4 : is_fp8(t) ? 1 : 2;
-}
+inline int element_size(GemmType t) { return t == GemmType::kFloat32 ? 4 : is_fp8(t) ? 1 : 2; }
 const char* gemm_type_name(GemmType t);
 
 struct GemmOperand {
@@ -36,13 +35,13 @@ struct GemmOperand {
 struct GemmParams {
   int64_t m = 0, n = 0, k = 0;
   GemmOperand a, b;
-  void* d = nullptr;                   // [M, N] row-major
+  void* d = nullptr;                      // [M, N] row-major
   GemmType d_type = GemmType::kBFloat16;  // fp32, bf16 or fp16
-  const void* bias = nullptr;          // [N] or null
+  const void* bias = nullptr;             // [N] or null
   GemmType bias_type = GemmType::kBFloat16;
-  bool accumulate = false;             // D += result (beta = 1), e.g. into fp32 main_grad
+  bool accumulate = false;  // D += result (beta = 1), e.g. into fp32 main_grad
   bool fast_accum = false;
-  void* workspace = nullptr;           // CUDA only
+  void* workspace = nullptr;  // CUDA only
   size_t workspace_size = 0;
 };
 

@@ -42,7 +42,7 @@ std::string fp8_rules(const GemmParams& p) {
   } else if (!p.a.scale_inv || !p.b.scale_inv) {
     err << "FP8 operands need their scale_inv";
   } else if (p.bias && p.bias_type != (p.d_type == GemmType::kFloat16 ? GemmType::kFloat16
-                                                                       : GemmType::kBFloat16)) {
+                                                                      : GemmType::kBFloat16)) {
     err << "FP8 GEMM with " << gemm_type_name(p.d_type) << " output takes a "
         << (p.d_type == GemmType::kFloat16 ? "float16" : "bfloat16") << " bias, got "
         << gemm_type_name(p.bias_type);
@@ -64,8 +64,8 @@ std::string gemm_check(const GemmParams& p) {
     err << "high-precision GEMM operands must have one dtype, got " << gemm_type_name(p.a.type)
         << " and " << gemm_type_name(p.b.type);
   } else if (p.d_type != p.a.type && p.d_type != GemmType::kFloat32) {
-    err << "GEMM of " << gemm_type_name(p.a.type) << " operands writes "
-        << gemm_type_name(p.a.type) << " or float32, got " << gemm_type_name(p.d_type);
+    err << "GEMM of " << gemm_type_name(p.a.type) << " operands writes " << gemm_type_name(p.a.type)
+        << " or float32, got " << gemm_type_name(p.d_type);
   } else if (p.bias && p.bias_type != p.d_type) {
     err << "bias must have the output dtype " << gemm_type_name(p.d_type) << ", got "
         << gemm_type_name(p.bias_type);
