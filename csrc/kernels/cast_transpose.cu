@@ -13,6 +13,8 @@
 // 16-byte alignment (rows % 16, cols % 8, or the pointers) take an element-wise path.
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+
 #include "cast.h"
 #include "cast_device.cuh"
 
@@ -77,12 +79,14 @@ __device__ __forceinline__ void load_tile(const T* __restrict__ in, const TileAr
                                           device::Pack8<T> (&packs)[kPasses]) {
   const int seg = threadIdx.x % kSegmentsPerRow, row0 = threadIdx.x / kSegmentsPerRow;
   const int64_t k = t.k0 + seg * 8;
+  // Out-of-matrix segments load a clamped in-matrix address instead of branching around the
+  // load: branches here would stop the compiler from keeping all loads in flight together.
+  const int64_t kc = k < t.cols ? k : t.cols - 8;
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
     const int64_t m = t.m0 + row0 + p * kRowsPerPass;
-    if (m < t.rows && k < t.cols) {
-      packs[p] = *reinterpret_cast<const device::Pack8<T>*>(in + m * t.cols + k);
-    }
+    const int64_t mc = m < t.rows ? m : t.rows - 1;
+    packs[p] = *reinterpret_cast<const device::Pack8<T>*>(in + mc * t.cols + kc);
   }
 }
 
@@ -131,9 +135,9 @@ __device__ __forceinline__ void store_columnwise(const TileArgs& t, const uint32
 
 // Aligned shapes: every tile through shared memory, the next tile's loads in flight while
 // this tile's column-wise data is written.
-template <Fp8Format F, typename T>
-__device__ void aligned_tiles(const T* __restrict__ in, TileArgs t, int64_t tiles_k, int64_t tiles,
-                              uint32_t* smem, uint32_t& amax) {
+template <Fp8Format F, bool kPrefetch, typename T>
+__device__ void aligned_tiles(const T* __restrict__ in, TileArgs t, int64_t tiles_k,
+                              int64_t tiles, uint32_t* smem, uint32_t& amax) {
   auto at = [&](int64_t tile) {
     TileArgs a = t;
     a.m0 = (tile / tiles_k) * kTile;
@@ -141,12 +145,13 @@ __device__ void aligned_tiles(const T* __restrict__ in, TileArgs t, int64_t tile
     return a;
   };
   device::Pack8<T> packs[kPasses];
-  if (blockIdx.x < tiles) load_tile(in, at(blockIdx.x), packs);
+  if (kPrefetch && blockIdx.x < tiles) load_tile(in, at(blockIdx.x), packs);
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     t = at(tile);
+    if (!kPrefetch) load_tile(in, t, packs);
     cast_and_stage<F>(t, packs, smem, amax);
     __syncthreads();
-    if (tile + gridDim.x < tiles) load_tile(in, at(tile + gridDim.x), packs);
+    if (kPrefetch && tile + gridDim.x < tiles) load_tile(in, at(tile + gridDim.x), packs);
     if (t.columnwise) store_columnwise(t, smem);
     __syncthreads();  // the shared tile is rewritten by the next iteration
   }
@@ -163,7 +168,7 @@ __device__ void edge_tile(const T* __restrict__ in, const TileArgs& t, uint32_t&
   }
 }
 
-template <Fp8Format F, typename T>
+template <Fp8Format F, bool kPrefetch, typename T>
 __global__ void __launch_bounds__(kThreads)
     tile_transpose_kernel(const T* __restrict__ in, int64_t rows, int64_t cols,
                           const float* __restrict__ scale_ptr, uint8_t* __restrict__ rowwise,
@@ -175,7 +180,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t tiles = tiles_k * ((rows + kTile - 1) / kTile);
   uint32_t local_amax = 0;
   if (vec) {
-    aligned_tiles<F>(in, t, tiles_k, tiles, smem, local_amax);
+    aligned_tiles<F, kPrefetch>(in, t, tiles_k, tiles, smem, local_amax);
   } else {
     for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       t.m0 = (tile / tiles_k) * kTile;
@@ -194,17 +199,18 @@ void launch(const T* in, int64_t rows, int64_t cols, const float* scale, uint8_t
   const bool vec = rows % 16 == 0 && cols % 8 == 0 &&
                    device::aligned(in, alignof(device::Pack8<T>)) && device::aligned(rowwise, 8) &&
                    device::aligned(columnwise, 16);
+  static const bool prefetch = std::getenv("TPFP8_CT_PREFETCH") != nullptr;  // TUNING, temporary
+  const auto kernel = prefetch ? tile_transpose_kernel<F, true, T> : tile_transpose_kernel<F, false, T>;
   static int blocks_per_sm = 0;  // per template instance, read once
   if (blocks_per_sm == 0) {
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, tile_transpose_kernel<F, T>,
-                                                  kThreads, 0);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kThreads, 0);
     blocks_per_sm = std::max(blocks_per_sm, 1);
   }
   const int64_t tiles = ((rows + kTile - 1) / kTile) * ((cols + kTile - 1) / kTile);
-  const int grid = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(tiles, int64_t{current_sm_count()} * blocks_per_sm)));
-  tile_transpose_kernel<F, T><<<grid, kThreads, 0, stream>>>(in, rows, cols, scale, rowwise,
-                                                             columnwise, amax, scale_inv, vec);
+  const int grid = static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(tiles, int64_t{current_sm_count()} * blocks_per_sm)));
+  kernel<<<grid, kThreads, 0, stream>>>(in, rows, cols, scale, rowwise, columnwise, amax,
+                                        scale_inv, vec);
 }
 
 }  // namespace
