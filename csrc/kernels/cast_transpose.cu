@@ -9,11 +9,8 @@
 //      4x4 byte blocks in registers and stores 4 column-wise segments of 16 bytes (a warp:
 //      4 rows x 128 B per store).
 // The shared tile is XOR-swizzled by 16-row group so both phases are free of bank conflicts.
-// The next tile's loads are issued before this tile's column-wise stores. Shapes that break
-// 16-byte alignment (rows % 16, cols % 8, or the pointers) take an element-wise path.
+// Edge tiles and shapes that break 16-byte alignment take an element-wise path.
 #include <cuda_runtime.h>
-
-#include <cstdlib>
 
 #include "cast.h"
 #include "cast_device.cuh"
@@ -71,48 +68,32 @@ struct TileArgs {
   uint8_t* columnwise;
 };
 
-// Phase 1 of a tile, split in two so the next tile's loads can be issued before this tile's
-// column-wise stores. With 16-byte alignment (rows % 16 == 0, cols % 8 == 0) a segment is
-// wholly inside or outside the matrix, so partial tiles only skip segments.
-template <typename T>
-__device__ __forceinline__ void load_tile(const T* __restrict__ in, const TileArgs& t,
-                                          device::Pack8<T> (&packs)[kPasses]) {
+template <Fp8Format F, typename T>
+__device__ void full_tile(const T* __restrict__ in, const TileArgs& t, uint32_t* smem,
+                          uint32_t& amax) {
   const int seg = threadIdx.x % kSegmentsPerRow, row0 = threadIdx.x / kSegmentsPerRow;
-  const int64_t k = t.k0 + seg * 8;
-  // Out-of-matrix segments load a clamped in-matrix address instead of branching around the
-  // load: branches here would stop the compiler from keeping all loads in flight together.
-  const int64_t kc = k < t.cols ? k : t.cols - 8;
+  device::Pack8<T> packs[kPasses];  // all loads issued before any is used
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
     const int64_t m = t.m0 + row0 + p * kRowsPerPass;
-    const int64_t mc = m < t.rows ? m : t.rows - 1;
-    packs[p] = *reinterpret_cast<const device::Pack8<T>*>(in + mc * t.cols + kc);
+    packs[p] = *reinterpret_cast<const device::Pack8<T>*>(in + m * t.cols + t.k0 + seg * 8);
   }
-}
-
-template <Fp8Format F, typename T>
-__device__ __forceinline__ void cast_and_stage(const TileArgs& t,
-                                               const device::Pack8<T> (&packs)[kPasses],
-                                               uint32_t* smem, uint32_t& amax) {
-  const int seg = threadIdx.x % kSegmentsPerRow, row0 = threadIdx.x / kSegmentsPerRow;
-  const int64_t k = t.k0 + seg * 8;
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
     const int r = row0 + p * kRowsPerPass;
-    if (t.m0 + r >= t.rows || k >= t.cols) continue;
     const uint2 bytes = segment_bytes<F>(packs[p], t.scale, amax);
-    if (t.rowwise) *reinterpret_cast<uint2*>(t.rowwise + (t.m0 + r) * t.cols + k) = bytes;
+    if (t.rowwise) {
+      *reinterpret_cast<uint2*>(t.rowwise + (t.m0 + r) * t.cols + t.k0 + seg * 8) = bytes;
+    }
     if (t.columnwise) {
       *reinterpret_cast<uint2*>(smem + r * kTileWords + swizzle(r, 2 * seg)) = bytes;
     }
   }
-}
-
-// Phase 2: lane -> 16-row group (8 per 128 rows) and word column (4 per warp).
-__device__ __forceinline__ void store_columnwise(const TileArgs& t, const uint32_t* smem) {
+  if (!t.columnwise) return;
+  __syncthreads();
+  // Phase 2: lane -> 16-row group (8 per 128 rows) and word column (4 per warp).
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int group = lane % 8, word = warp * 4 + lane / 8;
-  if (t.m0 + group * 16 >= t.rows) return;
   uint32_t cols[4][4];  // [4-row block j][column c]
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -127,34 +108,10 @@ __device__ __forceinline__ void store_columnwise(const TileArgs& t, const uint32
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     const int64_t k = t.k0 + word * 4 + c;
-    if (k >= t.cols) break;
     *reinterpret_cast<uint4*>(t.columnwise + k * t.rows + t.m0 + group * 16) =
         make_uint4(cols[0][c], cols[1][c], cols[2][c], cols[3][c]);
   }
-}
-
-// Aligned shapes: every tile through shared memory, the next tile's loads in flight while
-// this tile's column-wise data is written.
-template <Fp8Format F, bool kPrefetch, typename T>
-__device__ void aligned_tiles(const T* __restrict__ in, TileArgs t, int64_t tiles_k,
-                              int64_t tiles, uint32_t* smem, uint32_t& amax) {
-  auto at = [&](int64_t tile) {
-    TileArgs a = t;
-    a.m0 = (tile / tiles_k) * kTile;
-    a.k0 = (tile % tiles_k) * kTile;
-    return a;
-  };
-  device::Pack8<T> packs[kPasses];
-  if (kPrefetch && blockIdx.x < tiles) load_tile(in, at(blockIdx.x), packs);
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    t = at(tile);
-    if (!kPrefetch) load_tile(in, t, packs);
-    cast_and_stage<F>(t, packs, smem, amax);
-    __syncthreads();
-    if (kPrefetch && tile + gridDim.x < tiles) load_tile(in, at(tile + gridDim.x), packs);
-    if (t.columnwise) store_columnwise(t, smem);
-    __syncthreads();  // the shared tile is rewritten by the next iteration
-  }
+  __syncthreads();  // the tile is reused by the block's next iteration
 }
 
 template <Fp8Format F, typename T>
@@ -168,7 +125,7 @@ __device__ void edge_tile(const T* __restrict__ in, const TileArgs& t, uint32_t&
   }
 }
 
-template <Fp8Format F, bool kPrefetch, typename T>
+template <Fp8Format F, typename T>
 __global__ void __launch_bounds__(kThreads)
     tile_transpose_kernel(const T* __restrict__ in, int64_t rows, int64_t cols,
                           const float* __restrict__ scale_ptr, uint8_t* __restrict__ rowwise,
@@ -179,12 +136,12 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t tiles_k = (cols + kTile - 1) / kTile;
   const int64_t tiles = tiles_k * ((rows + kTile - 1) / kTile);
   uint32_t local_amax = 0;
-  if (vec) {
-    aligned_tiles<F, kPrefetch>(in, t, tiles_k, tiles, smem, local_amax);
-  } else {
-    for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-      t.m0 = (tile / tiles_k) * kTile;
-      t.k0 = (tile % tiles_k) * kTile;
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    t.m0 = (tile / tiles_k) * kTile;
+    t.k0 = (tile % tiles_k) * kTile;
+    if (vec && t.m0 + kTile <= rows && t.k0 + kTile <= cols) {
+      full_tile<F>(in, t, smem, local_amax);
+    } else {
       edge_tile<F>(in, t, local_amax);
     }
   }
@@ -199,18 +156,17 @@ void launch(const T* in, int64_t rows, int64_t cols, const float* scale, uint8_t
   const bool vec = rows % 16 == 0 && cols % 8 == 0 &&
                    device::aligned(in, alignof(device::Pack8<T>)) && device::aligned(rowwise, 8) &&
                    device::aligned(columnwise, 16);
-  static const bool prefetch = std::getenv("TPFP8_CT_PREFETCH") != nullptr;  // TUNING, temporary
-  const auto kernel = prefetch ? tile_transpose_kernel<F, true, T> : tile_transpose_kernel<F, false, T>;
   static int blocks_per_sm = 0;  // per template instance, read once
   if (blocks_per_sm == 0) {
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kThreads, 0);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, tile_transpose_kernel<F, T>,
+                                                  kThreads, 0);
     blocks_per_sm = std::max(blocks_per_sm, 1);
   }
   const int64_t tiles = ((rows + kTile - 1) / kTile) * ((cols + kTile - 1) / kTile);
-  const int grid = static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>(tiles, int64_t{current_sm_count()} * blocks_per_sm)));
-  kernel<<<grid, kThreads, 0, stream>>>(in, rows, cols, scale, rowwise, columnwise, amax,
-                                        scale_inv, vec);
+  const int grid = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(tiles, int64_t{current_sm_count()} * blocks_per_sm)));
+  tile_transpose_kernel<F, T><<<grid, kThreads, 0, stream>>>(in, rows, cols, scale, rowwise,
+                                                             columnwise, amax, scale_inv, vec);
 }
 
 }  // namespace
