@@ -175,3 +175,31 @@ def test_gpu_delayed_scaling_update_equals_cpu():
     ops.delayed_scaling_update(*gpu_args, margin=1)
     for c, gg in zip(args, gpu_args):
         assert_same_bytes(gg, c)
+
+
+def _opcheck_cases():
+    x = sample((16, 32), torch.bfloat16, seed=5)
+    x[torch.isnan(x) | torch.isinf(x)] = 1.0
+    one = lambda v=0.0: torch.full((1,), v)
+    codes = torch.randint(0, 126, (16, 32), dtype=torch.uint8)
+    return [
+        (torch.ops.tpfp8.quantize.default,
+         (x, one(2.0), torch.empty(16, 32, dtype=torch.uint8), one(), one(), 0)),
+        (torch.ops.tpfp8.cast_transpose.default,
+         (x, one(2.0), torch.empty(16, 32, dtype=torch.uint8),
+          torch.empty(32, 16, dtype=torch.uint8), one(), one(), 1)),
+        (torch.ops.tpfp8.transpose_fp8.default, (codes, torch.empty(32, 16, dtype=torch.uint8))),
+        (torch.ops.tpfp8.dequantize.default, (codes, one(0.5), 0, torch.empty(16, 32))),
+        (torch.ops.tpfp8.amax.default, (x, one())),
+        (torch.ops.tpfp8.delayed_scaling_update.default,
+         (torch.rand(4, 3), torch.ones(3), torch.ones(3), torch.full((3,), 448.0), 0, True)),
+        (torch.ops.tpfp8.gemm.default,
+         (codes, codes, torch.empty(16, 16), one(0.5), one(0.25), 3, 3, None, False, False,
+          False, False)),
+    ]
+
+
+@pytest.mark.parametrize("op,args", _opcheck_cases(), ids=lambda c: str(c)[:40])
+def test_opcheck(op, args):
+    """Schema (declared mutations), autograd registration, fake tensors, AOT dispatch."""
+    torch.library.opcheck(op, args)
