@@ -1,12 +1,54 @@
-// The Python module tpfp8._C. The ops themselves are registered with the dispatcher
-// (torch.ops.tpfp8.*) by the *_ops.cpp files; importing this module loads them.
+// The Python module tpfp8._C: the Linear's C++ entry point and its option structs. The ops
+// themselves are registered with the dispatcher (torch.ops.tpfp8.*) by the *_ops.cpp files;
+// importing this module loads them.
+#include <pybind11/functional.h>
 #include <torch/extension.h>
 
+#include "linear.h"
+
+namespace py = pybind11;
+
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "tpfp8 native ops; use them through tpfp8.ops or torch.ops.tpfp8";
+  m.doc() = "tpfp8 native code; use it through tpfp8.Linear, tpfp8.ops or torch.ops.tpfp8";
 #if defined(TPFP8_WITH_CUDA)
   m.attr("with_cuda") = true;
 #else
   m.attr("with_cuda") = false;
 #endif
+  using namespace tpfp8;
+  py::enum_<Fp8Format>(m, "Fp8Format")
+      .value("E4M3", Fp8Format::kE4M3)
+      .value("E5M2", Fp8Format::kE5M2);
+  py::enum_<Scaling>(m, "Scaling")
+      .value("NONE", Scaling::kNone)
+      .value("DELAYED", Scaling::kDelayed)
+      .value("CURRENT", Scaling::kCurrent);
+  py::enum_<WeightCache>(m, "WeightCache")
+      .value("NONE", WeightCache::kNone)
+      .value("FILL", WeightCache::kFill)
+      .value("REUSE", WeightCache::kReuse);
+  py::class_<QuantizerSpec>(m, "QuantizerSpec", "How one tensor of a Linear is quantized")
+      .def(py::init<>())
+      .def_readwrite("scaling", &QuantizerSpec::scaling)
+      .def_readwrite("format", &QuantizerSpec::format)
+      .def_readwrite("scale", &QuantizerSpec::scale)
+      .def_readwrite("amax", &QuantizerSpec::amax)
+      .def_readwrite("epsilon", &QuantizerSpec::epsilon)
+      .def_readwrite("reduce_amax", &QuantizerSpec::reduce_amax);
+  py::class_<LinearOptions>(m, "LinearOptions", "Per-call settings of tpfp8._C.linear")
+      .def(py::init<>())
+      .def_readwrite("fp8", &LinearOptions::fp8)
+      .def_readwrite("input", &LinearOptions::input)
+      .def_readwrite("weight", &LinearOptions::weight)
+      .def_readwrite("grad", &LinearOptions::grad)
+      .def_readwrite("save_original_input", &LinearOptions::save_original_input)
+      .def_readwrite("fuse_wgrad_accumulation", &LinearOptions::fuse_wgrad_accumulation)
+      .def_readwrite("main_grad", &LinearOptions::main_grad)
+      .def_readwrite("main_grad_overwrite", &LinearOptions::main_grad_overwrite)
+      .def_readwrite("weight_cache", &LinearOptions::weight_cache)
+      .def_readwrite("weight_cache_rowwise", &LinearOptions::weight_cache_rowwise)
+      .def_readwrite("weight_cache_columnwise", &LinearOptions::weight_cache_columnwise)
+      .def_readwrite("weight_cache_scale_inv", &LinearOptions::weight_cache_scale_inv);
+  m.def("linear", &linear, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("options"),
+        "y = x W^T (+ bias) with autograd; see csrc/linear.h");
 }

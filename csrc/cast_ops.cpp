@@ -7,11 +7,10 @@
 #include "device_dispatch.h"
 #include "kernels/cast.h"
 #include "kernels/delayed_scaling.h"
+#include "ops.h"
 
 namespace tpfp8 {
 namespace {
-
-using OptTensor = std::optional<at::Tensor>;
 
 float* optional_f32(const OptTensor& t, const char* name, const at::Tensor& ref) {
   if (!t.has_value()) return nullptr;
@@ -39,6 +38,8 @@ CastParams cast_params(const at::Tensor& input, const at::Tensor& scale, int64_t
   p.scale = scale.data_ptr<float>();
   return p;
 }
+
+}  // namespace
 
 void quantize(const at::Tensor& input, const at::Tensor& scale, at::Tensor& out,
               const OptTensor& amax, const OptTensor& scale_inv, int64_t fp8_format) {
@@ -134,8 +135,6 @@ void delayed_scaling_update(at::Tensor& amax_history, at::Tensor& scale, at::Ten
       amax_history, [&] { delayed_scaling_update_cpu(p); },
       [&](cudaStream_t s) { return delayed_scaling_update_cuda(p, s); });
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
   m.def(

@@ -8,11 +8,10 @@
 #include "checks.h"
 #include "device_dispatch.h"
 #include "kernels/gemm.h"
+#include "ops.h"
 
 namespace tpfp8 {
 namespace {
-
-using OptTensor = std::optional<at::Tensor>;
 
 GemmType gemm_type_from(int64_t code) {
   TORCH_CHECK(code >= 0 && code <= 4,
@@ -74,6 +73,8 @@ void* workspace_for(const at::Tensor& like) {
 #endif
 }
 
+}  // namespace
+
 void gemm(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, const OptTensor& a_scale_inv,
           const OptTensor& b_scale_inv, int64_t a_type, int64_t b_type, const OptTensor& bias,
           bool accumulate, bool fast_accum, bool a_transposed, bool b_transposed) {
@@ -112,8 +113,6 @@ void gemm(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, const OptTe
         return cudaSuccess;
       });
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
   m.def(

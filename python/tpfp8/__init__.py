@@ -1,15 +1,21 @@
 """tpfp8: FP8 tensor-parallel Linear for PyTorch on Hopper GPUs.
 
-The native ops live in :mod:`tpfp8.ops` (and ``torch.ops.tpfp8``); FP8 formats in
-:class:`tpfp8.Fp8Format`.
+``tpfp8.Linear`` is a drop-in ``torch.nn.Linear`` that computes in FP8 inside
+``tpfp8.fp8_autocast(recipe=tpfp8.DelayedScaling() | tpfp8.CurrentScaling())``;
+``tpfp8.swap_linear(model)`` converts a model's ``nn.Linear`` layers. The native ops live in
+:mod:`tpfp8.ops` (and ``torch.ops.tpfp8``).
 """
 import torch  # noqa: F401  (loads libtorch, which _C links against)
 
 from . import _C  # noqa: F401,E402  (registers the native ops in torch.ops.tpfp8)
 from .formats import Fp8Format
 from . import ops
+from .autocast import fp8_autocast
+from .module import Linear, swap_linear
+from .recipe import CurrentScaling, DelayedScaling
 
-__all__ = ["Fp8Format", "ops", "with_cuda"]
+__all__ = ["CurrentScaling", "DelayedScaling", "Fp8Format", "Linear", "fp8_autocast", "ops",
+           "swap_linear", "with_cuda"]
 __version__ = "0.1.0"
 
 

@@ -1,0 +1,45 @@
+// The Linear's forward and backward as one C++ autograd Function (y = x W^T + b):
+//
+//   forward   x [.., K] -> x2 [M, K]; quantize x2 (row-wise, + column-wise if wgrad will need it)
+//             quantize W [N, K] (row-wise, + column-wise for dgrad) or take the cached FP8 W
+//             fprop  y = x2 . W^T (+ b)          GEMM(x row-wise, W row-wise), fast accumulation
+//   backward  quantize dy [M, N] (row-wise for dgrad, column-wise for wgrad)
+//             dgrad  dx = dy . W                 GEMM(dy row-wise, W column-wise)
+//             wgrad  dW = dy^T . x2               GEMM(dy column-wise, x column-wise) -> W.main_grad or dW
+//             db = sum over M of dy
+//
+// Saved for backward: the column-wise FP8 input (1 byte per element) and the column-wise FP8
+// weight, or with save_original_input the high-precision input, re-quantized in backward.
+// Outside FP8 the same three GEMMs run in the input's precision.
+#pragma once
+
+#include <torch/types.h>
+
+#include <optional>
+
+#include "quantizer.h"
+
+namespace tpfp8 {
+
+enum class WeightCache : int { kNone = 0, kFill = 1, kReuse = 2 };
+
+struct LinearOptions {
+  bool fp8 = false;
+  QuantizerSpec input, weight, grad;  // used when fp8
+  bool save_original_input = false;
+  // wgrad into `main_grad` (fp32 [N, K]), written when main_grad_overwrite (first micro-batch)
+  // else accumulated; the weight then gets no .grad.
+  bool fuse_wgrad_accumulation = false;
+  at::Tensor main_grad;
+  bool main_grad_overwrite = false;
+  // kFill casts the weight into these buffers, kReuse uses them without casting.
+  WeightCache weight_cache = WeightCache::kNone;
+  at::Tensor weight_cache_rowwise, weight_cache_columnwise, weight_cache_scale_inv;
+};
+
+// y = x W^T (+ bias) with autograd. x: [..., K] fp32/bf16/fp16; weight [N, K]; bias [N].
+// Every check runs before any FP8 state (amax history, caches) is touched.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias, const LinearOptions& options);
+
+}  // namespace tpfp8

@@ -1,0 +1,32 @@
+// The torch-level ops (registered as torch.ops.tpfp8.*), callable directly from C++ so the
+// Linear's forward and backward go through no dispatcher round trips. Each validates its
+// arguments (TORCH_CHECK with what, why and how to fix) before touching any output.
+#pragma once
+
+#include <torch/types.h>
+
+#include <optional>
+
+namespace tpfp8 {
+
+using OptTensor = std::optional<at::Tensor>;
+
+// input [M, K] fp32/bf16/fp16 -> out [M, K] uint8; amax folded, scale_inv = 1/scale written.
+void quantize(const at::Tensor& input, const at::Tensor& scale, at::Tensor& out,
+              const OptTensor& amax, const OptTensor& scale_inv, int64_t fp8_format);
+// One read of input: rowwise [M, K] and/or columnwise [K, M].
+void cast_transpose(const at::Tensor& input, const at::Tensor& scale, const OptTensor& rowwise,
+                    const OptTensor& columnwise, const OptTensor& amax,
+                    const OptTensor& scale_inv, int64_t fp8_format);
+void transpose_fp8(const at::Tensor& input, at::Tensor& out);
+void dequantize(const at::Tensor& input, const at::Tensor& scale_inv, int64_t fp8_format,
+                at::Tensor& out);
+void amax(const at::Tensor& input, at::Tensor& amax);
+void delayed_scaling_update(at::Tensor& amax_history, at::Tensor& scale, at::Tensor& scale_inv,
+                            const at::Tensor& fp8_max, int64_t margin, bool use_history_max);
+// out[M, N] = scales * A . B^T (+ bias) (+ out); types are GemmType codes (kernels/gemm.h).
+void gemm(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, const OptTensor& a_scale_inv,
+          const OptTensor& b_scale_inv, int64_t a_type, int64_t b_type, const OptTensor& bias,
+          bool accumulate, bool fast_accum, bool a_transposed, bool b_transposed);
+
+}  // namespace tpfp8

@@ -1,0 +1,228 @@
+"""``tpfp8.Linear``: a drop-in ``torch.nn.Linear`` whose three GEMMs run in FP8 inside
+``fp8_autocast``. All math happens in C++ (csrc/linear.cpp); this file holds the module's
+parameters and FP8 state and translates them into the C++ call."""
+import math
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from . import _C
+from . import autocast as _autocast
+from .formats import Fp8Format
+from .recipe import CurrentScaling, DelayedScaling
+
+_C_FORMAT = {Fp8Format.E4M3: _C.Fp8Format.E4M3, Fp8Format.E5M2: _C.Fp8Format.E5M2}
+_INPUT, _WEIGHT = 0, 1  # columns of the forward scaling state
+
+
+class Linear(nn.Module):
+    """``y = x W^T + b`` with ``W`` [out_features, in_features], like ``torch.nn.Linear``
+    (same parameters, same initialisation, loads an ``nn.Linear`` state dict).
+
+    Inside ``tpfp8.fp8_autocast`` the forward GEMM and both backward GEMMs run in FP8; outside
+    it the same C++ path runs them in the input's precision. Under ``torch.autocast`` the input,
+    weight and bias are computed in the autocast dtype.
+
+    Args:
+        in_features, out_features, bias, device, dtype: as for ``torch.nn.Linear``. FP8 needs
+            both feature counts to be multiples of 16.
+        save_original_input: keep the high-precision input for backward and re-quantize it
+            there (not with delayed scaling), instead of the 1-byte column-wise FP8 copy.
+        fuse_wgrad_accumulation: write the weight gradient into ``weight.main_grad`` (fp32,
+            allocated if missing) instead of ``weight.grad``: overwritten when
+            ``is_first_microbatch=True``, accumulated otherwise.
+        return_bias: return ``(y_without_bias, bias)`` so the caller can fuse the bias later.
+        name: a label for debugging tools.
+
+    Shapes: input ``[..., in_features]`` (fp32, bf16 or fp16) -> ``[..., out_features]``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
+                 dtype=None, *, save_original_input: bool = False,
+                 fuse_wgrad_accumulation: bool = False, return_bias: bool = False,
+                 name: Optional[str] = None):
+        super().__init__()
+        if in_features <= 0 or out_features <= 0:
+            raise ValueError(f"in_features and out_features must be positive, got "
+                             f"{in_features} and {out_features}")
+        factory = {"device": device, "dtype": dtype}
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
+        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        self.save_original_input = save_original_input
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.return_bias = return_bias
+        self.name = name
+        self._fwd_meta = None  # delayed scaling state, made on the first FP8 forward
+        self._bwd_meta = None
+        self._weight_cache = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``torch.nn.Linear``'s initialisation."""
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
+
+    # ---- FP8 state -------------------------------------------------------------------
+
+    def _delayed_metas(self, recipe: DelayedScaling, device):
+        fwd_fmt, grad_fmt = recipe.formats
+        if self._fwd_meta is None or not self._fwd_meta.matches(recipe, device):
+            self._fwd_meta = _autocast.ScalingMeta([fwd_fmt, fwd_fmt], recipe, device)
+            self._bwd_meta = _autocast.ScalingMeta([grad_fmt], recipe, device)
+        self._fwd_meta.recipe = self._bwd_meta.recipe = recipe
+        return self._fwd_meta, self._bwd_meta
+
+    def _quantizers(self, recipe, device):
+        fwd_fmt, grad_fmt = recipe.formats
+        specs = [_C.QuantizerSpec() for _ in range(3)]
+        for spec, fmt in zip(specs, (fwd_fmt, fwd_fmt, grad_fmt)):
+            spec.format = _C_FORMAT[fmt]
+            spec.scaling = (_C.Scaling.DELAYED if isinstance(recipe, DelayedScaling)
+                            else _C.Scaling.CURRENT)
+        if isinstance(recipe, CurrentScaling):
+            for spec in specs:
+                spec.epsilon = recipe.amax_epsilon
+            return specs
+        fwd, bwd = self._delayed_metas(recipe, device)
+        for spec, meta, col in ((specs[0], fwd, _INPUT), (specs[1], fwd, _WEIGHT),
+                                (specs[2], bwd, 0)):
+            spec.scale = meta.scale[col:col + 1]
+            spec.amax = meta.amax_history[0, col:col + 1]
+        return specs
+
+    def get_extra_state(self):
+        """FP8 state (delayed-scaling scales and amax histories) for checkpoints."""
+        if self._fwd_meta is None:
+            return None
+        return {"forward": self._fwd_meta.state(), "backward": self._bwd_meta.state(),
+                "recipe": self._fwd_meta.recipe}
+
+    def set_extra_state(self, state) -> None:
+        if not state:
+            return
+        recipe = state["recipe"]
+        self._delayed_metas(recipe, self.weight.device)
+        self._fwd_meta.load(state["forward"])
+        self._bwd_meta.load(state["backward"])
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # A plain nn.Linear checkpoint has no _extra_state: accept it.
+        state_dict.setdefault(prefix + "_extra_state", None)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    # ---- forward ------------------------------------------------------------------------
+
+    def _check(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"Linear expects a tensor, got {type(x).__name__}")
+        if x.dim() < 1 or x.shape[-1] != self.in_features:
+            raise ValueError(f"Linear expects input [..., in_features={self.in_features}], got "
+                             f"shape {tuple(x.shape)}")
+        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"Linear input must be float32, bfloat16 or float16, got {x.dtype}")
+        if x.device != self.weight.device:
+            raise ValueError(f"Linear input is on {x.device} but the module on "
+                             f"{self.weight.device}; move one of them")
+
+    def _weight_cache_buffers(self, is_first_microbatch):
+        if is_first_microbatch is None:
+            return _C.WeightCache.NONE, None
+        if not is_first_microbatch and self._weight_cache is None:
+            raise ValueError("is_first_microbatch=False needs an earlier call with "
+                             "is_first_microbatch=True to cache the FP8 weight")
+        if self._weight_cache is None:
+            n, k = self.weight.shape
+            u8 = {"dtype": torch.uint8, "device": self.weight.device}
+            self._weight_cache = (torch.empty(n, k, **u8), torch.empty(k, n, **u8),
+                                  torch.empty(1, device=self.weight.device))
+        return (_C.WeightCache.FILL if is_first_microbatch else _C.WeightCache.REUSE,
+                self._weight_cache)
+
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        """``x [..., in_features] -> [..., out_features]``.
+
+        ``is_first_microbatch``: None casts the weight to FP8 every call; True casts and
+        caches it; False reuses the cache (the weights must not have changed since).
+        """
+        self._check(x)
+        frame = _autocast.current()
+        weight, bias = self.weight, self.bias
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x = x.to(dtype)
+            if frame is None:
+                weight = weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+        elif frame is None and weight.dtype != x.dtype:
+            raise ValueError(f"Linear input is {x.dtype} but the weight is {weight.dtype}; "
+                             f"convert one of them or use torch.autocast")
+        if self.return_bias:
+            bias_out, bias = bias, None
+        opts = _C.LinearOptions()
+        if frame is not None:
+            recipe = frame["recipe"]
+            if self.save_original_input and isinstance(recipe, DelayedScaling):
+                raise ValueError("save_original_input=True cannot be used with delayed scaling "
+                                 "(the scale moves between forward and backward); use "
+                                 "tpfp8.CurrentScaling() or save_original_input=False")
+            if self.in_features % 16 or self.out_features % 16:
+                raise ValueError(f"FP8 Linear needs in_features and out_features to be "
+                                 f"multiples of 16, got {self.in_features} and "
+                                 f"{self.out_features}; pad the layer or run it outside "
+                                 f"fp8_autocast")
+            opts.fp8 = True
+            opts.input, opts.weight, opts.grad = self._quantizers(recipe, x.device)
+            opts.save_original_input = self.save_original_input
+            mode, cache = self._weight_cache_buffers(is_first_microbatch)
+            opts.weight_cache = mode
+            if cache is not None:
+                (opts.weight_cache_rowwise, opts.weight_cache_columnwise,
+                 opts.weight_cache_scale_inv) = cache
+        if self.fuse_wgrad_accumulation and self.weight.requires_grad:
+            if getattr(self.weight, "main_grad", None) is None:
+                self.weight.main_grad = torch.zeros_like(self.weight, dtype=torch.float32)
+            opts.fuse_wgrad_accumulation = True
+            opts.main_grad = self.weight.main_grad
+            opts.main_grad_overwrite = bool(is_first_microbatch)
+        y = _C.linear(x, weight, bias, opts)
+        if frame is not None and isinstance(frame["recipe"], DelayedScaling):
+            self._schedule_updates(y, is_first_microbatch)
+        return (y, bias_out) if self.return_bias else y
+
+    def _schedule_updates(self, y: torch.Tensor, is_first_microbatch) -> None:
+        if is_first_microbatch is not False:  # a reused weight cache recorded no new amax
+            _autocast.register_forward(self._fwd_meta)
+        if y.requires_grad:
+            bwd = self._bwd_meta
+            y.register_hook(lambda grad: _autocast.register_backward(bwd))
+
+
+def swap_linear(model: nn.Module,
+                filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> nn.Module:
+    """Replaces, in place, every ``torch.nn.Linear`` of ``model`` (for which
+    ``filter_fn(module, fully_qualified_name)`` is true) by a ``tpfp8.Linear`` holding the same
+    parameters. Returns ``model`` (or the new module if ``model`` itself is an nn.Linear)."""
+
+    def convert(lin: nn.Linear, name: str) -> Linear:
+        new = Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                     device="meta", name=name)
+        new.weight = lin.weight
+        new.bias = lin.bias
+        return new
+
+    if type(model) is nn.Linear:
+        return convert(model, "") if filter_fn is None or filter_fn(model, "") else model
+    for fqn, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            full = f"{fqn}.{child_name}" if fqn else child_name
+            if type(child) is nn.Linear and (filter_fn is None or filter_fn(child, full)):
+                setattr(module, child_name, convert(child, full))
+    return model
