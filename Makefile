@@ -8,12 +8,13 @@ CMAKE_BUILD := build/cmake
 export PYTHONPATH := $(CURDIR)/python:$(PYTHONPATH)
 export MAX_JOBS ?= $(JOBS)
 
-.PHONY: help deps build build-python build-cpp test test-cpp test-py demo bench format clean
+.PHONY: help deps build build-python build-cpp test test-cpp test-py demo bench format lint clean
 
 help:
 	@echo "make demo    set up, build, self-check, cast benchmark"
 	@echo "make test    set up, build, GoogleTest + pytest"
 	@echo "make format  clang-format C++/CUDA sources"
+	@echo "make lint    ruff over the Python code"
 
 # Installs only what is missing: apt for the C++ test tools, pip for torch (the machine's
 # local wheel) and the Python tools.
@@ -51,6 +52,9 @@ demo: build-python
 
 format:
 	clang-format -i --style=file $$(git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh' 'tests_cpp/*')
+
+lint:
+	$(PYTHON) -m ruff check python bench tests_py
 
 clean:
 	rm -rf build python/tpfp8/_C*.so

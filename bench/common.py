@@ -47,7 +47,8 @@ def device_name(device: str) -> str:
 def print_table(headers, rows) -> None:
     cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    line = lambda r: "| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |"
+    def line(r):
+        return "| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |"
     print(line(cells[0]))
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for r in cells[1:]:

@@ -48,8 +48,8 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, const OptTensor
   if (o.fp8) {
     TORCH_CHECK(k % kFp8Multiple == 0 && n % kFp8Multiple == 0,
                 "FP8 Linear needs in_features and out_features to be multiples of 16 (FP8 "
-                "GEMMs on Hopper), got in_features=", k, ", out_features=", n,
-                "; pad the layer or run it outside fp8_autocast");
+                "GEMMs on Hopper), got in_features=",
+                k, ", out_features=", n, "; pad the layer or run it outside fp8_autocast");
     TORCH_CHECK(!(o.save_original_input && o.input.scaling == Scaling::kDelayed),
                 "save_original_input=True cannot be used with delayed scaling: the scale moves "
                 "between forward and backward, so re-quantizing would not reproduce the "
@@ -69,8 +69,8 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, const OptTensor
 }
 
 Fp8Tensor weight_fp8(const at::Tensor& weight, const LinearOptions& o, bool columnwise) {
-  const Fp8Tensor cache{o.weight_cache_rowwise, o.weight_cache_columnwise,
-                        o.weight_cache_scale_inv, o.weight.format};
+  const Fp8Tensor cache{o.weight_cache_rowwise, o.weight_cache_columnwise, o.weight_cache_scale_inv,
+                        o.weight.format};
   if (o.weight_cache == WeightCache::kReuse) return cache;
   const bool fill = o.weight_cache == WeightCache::kFill;
   return quantize(weight.contiguous(), o.weight, true, columnwise || fill, fill ? &cache : nullptr);
@@ -99,8 +99,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     at::Tensor y = at::empty({x2.size(0), n}, x.options());
     if (!o.fp8) {
       gemm(x2, weight, y, std::nullopt, std::nullopt, gemm_code(x2), gemm_code(weight),
-           bias ? OptTensor(bias->to(y.scalar_type())) : std::nullopt, false, false, false,
-           false);
+           bias ? OptTensor(bias->to(y.scalar_type())) : std::nullopt, false, false, false, false);
       ctx->save_for_backward({x2, weight});
     } else {
       const Fp8Tensor qx = quantize(x2, o.input, true, need_wgrad && !o.save_original_input);
@@ -121,8 +120,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto s = c10::static_intrusive_pointer_cast<Saved>(
-        ctx->saved_data["state"].toCapsule());
+    const auto s = c10::static_intrusive_pointer_cast<Saved>(ctx->saved_data["state"].toCapsule());
     const LinearOptions& o = s->o;
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& weight = saved[1];
@@ -131,9 +129,8 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     const bool need_dgrad = ctx->needs_input_grad(0);
     const bool need_wgrad = ctx->needs_input_grad(1) || o.fuse_wgrad_accumulation;
     at::Tensor dx, dw;
-    at::Tensor dw_out = o.fuse_wgrad_accumulation
-                            ? o.main_grad
-                            : at::empty({n, k}, weight.options());
+    at::Tensor dw_out =
+        o.fuse_wgrad_accumulation ? o.main_grad : at::empty({n, k}, weight.options());
     const bool accumulate = o.fuse_wgrad_accumulation && !o.main_grad_overwrite;
     if (!o.fp8) {
       const at::Tensor& x2 = saved[0];
@@ -143,19 +140,19 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
              std::nullopt, false, false, false, true);
       }
       if (need_wgrad) {
-        gemm(dy, x2, dw_out, std::nullopt, std::nullopt, gemm_code(dy), gemm_code(x2),
-             std::nullopt, accumulate, false, true, true);
+        gemm(dy, x2, dw_out, std::nullopt, std::nullopt, gemm_code(dy), gemm_code(x2), std::nullopt,
+             accumulate, false, true, true);
       }
     } else {
       const Fp8Tensor qdy = quantize(dy, o.grad, need_dgrad, need_wgrad);
       if (need_dgrad) {
         dx = fp8_gemm(qdy.rowwise, qdy, s->qw.columnwise, s->qw,
-                      at::empty({dy.size(0), k}, dy.options().dtype(s->x_dtype)),
-                      std::nullopt, false);
+                      at::empty({dy.size(0), k}, dy.options().dtype(s->x_dtype)), std::nullopt,
+                      false);
       }
       if (need_wgrad) {
-        const Fp8Tensor qx = o.save_original_input ? quantize(saved[0], o.input, false, true)
-                                                   : s->qx;
+        const Fp8Tensor qx =
+            o.save_original_input ? quantize(saved[0], o.input, false, true) : s->qx;
         fp8_gemm(pad_contracted(qdy.columnwise), qdy, pad_contracted(qx.columnwise), qx, dw_out,
                  std::nullopt, false, accumulate);
       }

@@ -5,8 +5,8 @@
 //             fprop  y = x2 . W^T (+ b)          GEMM(x row-wise, W row-wise), fast accumulation
 //   backward  quantize dy [M, N] (row-wise for dgrad, column-wise for wgrad)
 //             dgrad  dx = dy . W                 GEMM(dy row-wise, W column-wise)
-//             wgrad  dW = dy^T . x2               GEMM(dy column-wise, x column-wise) -> W.main_grad or dW
-//             db = sum over M of dy
+//             wgrad  dW = dy^T . x2               GEMM(dy column-wise, x column-wise) ->
+//             W.main_grad or dW db = sum over M of dy
 //
 // Saved for backward: the column-wise FP8 input (1 byte per element) and the column-wise FP8
 // weight, or with save_original_input the high-precision input, re-quantized in backward.

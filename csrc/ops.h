@@ -16,8 +16,8 @@ void quantize(const at::Tensor& input, const at::Tensor& scale, at::Tensor& out,
               const OptTensor& amax, const OptTensor& scale_inv, int64_t fp8_format);
 // One read of input: rowwise [M, K] and/or columnwise [K, M].
 void cast_transpose(const at::Tensor& input, const at::Tensor& scale, const OptTensor& rowwise,
-                    const OptTensor& columnwise, const OptTensor& amax,
-                    const OptTensor& scale_inv, int64_t fp8_format);
+                    const OptTensor& columnwise, const OptTensor& amax, const OptTensor& scale_inv,
+                    int64_t fp8_format);
 void transpose_fp8(const at::Tensor& input, at::Tensor& out);
 void dequantize(const at::Tensor& input, const at::Tensor& scale_inv, int64_t fp8_format,
                 at::Tensor& out);

@@ -8,7 +8,8 @@
 namespace tpfp8 {
 
 at::Tensor scale_from_amax(const at::Tensor& amax, Fp8Format format, double epsilon) {
-  const at::Tensor quotient = at::full_like(amax, fp8_max(format)).div_(at::clamp_min(amax, epsilon));
+  const at::Tensor quotient =
+      at::full_like(amax, fp8_max(format)).div_(at::clamp_min(amax, epsilon));
   const at::Tensor usable = at::isfinite(amax).logical_and_(amax > 0);
   return at::where(usable, at::clamp_max(quotient, FLT_MAX), at::ones_like(amax));
 }
@@ -38,8 +39,8 @@ Fp8Tensor quantize(const at::Tensor& x, const QuantizerSpec& q, bool rowwise, bo
   at::Tensor a = at::zeros({1}, x.options().dtype(at::kFloat));
   amax(x, a);
   if (q.reduce_amax) q.reduce_amax(a);
-  cast_transpose(x, scale_from_amax(a, q.format, q.epsilon), row, col, std::nullopt,
-                 out.scale_inv, fmt);
+  cast_transpose(x, scale_from_amax(a, q.format, q.epsilon), row, col, std::nullopt, out.scale_inv,
+                 fmt);
   return out;
 }
 

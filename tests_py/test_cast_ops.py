@@ -102,14 +102,16 @@ ERRORS = [
      "float32, bfloat16 or float16"),
     (lambda: ops.quantize(torch.zeros(4, 8).t(), torch.ones(1)), "contiguous"),
     (lambda: ops.quantize(torch.zeros(4, 4), torch.ones(2)), "one-element float32"),
-    (lambda: ops.quantize(torch.zeros(4, 4), torch.ones(1), out=torch.empty(4, 5, dtype=torch.uint8)),
+    (lambda: ops.quantize(torch.zeros(4, 4), torch.ones(1),
+                          out=torch.empty(4, 5, dtype=torch.uint8)),
      "out must be Byte of shape"),
     (lambda: ops.quantize(torch.zeros(4, 4), torch.ones(1), "e3m4"), "unknown FP8 format"),
     (lambda: ops.dequantize(torch.zeros(4, dtype=torch.int16), torch.ones(1)), "torch.uint8"),
     (lambda: ops.delayed_scaling_update(torch.zeros(4, 2), torch.ones(3), torch.ones(2),
                                         torch.ones(2)), "scale must be Float of shape"),
     (lambda: ops.delayed_scaling_update(torch.zeros(4, 2), torch.ones(2), torch.ones(2),
-                                        torch.ones(2), amax_compute_algo="mean"), "amax_compute_algo"),
+                                        torch.ones(2), amax_compute_algo="mean"),
+     "amax_compute_algo"),
 ]
 
 
@@ -167,7 +169,8 @@ def test_gpu_cast_ops_equal_cpu_bytes(shape, dtype, fmt):
 @requires_gpu
 def test_gpu_delayed_scaling_update_equals_cpu():
     g = torch.Generator().manual_seed(2)
-    hist = torch.rand(1024, 33, generator=g) * torch.exp2(torch.randint(-20, 20, (1024, 33), generator=g))
+    exponents = torch.randint(-20, 20, (1024, 33), generator=g)
+    hist = torch.rand(1024, 33, generator=g) * torch.exp2(exponents)
     hist[:, 3] = 0.0
     args = [hist, torch.rand(33, generator=g) + 0.5, torch.empty(33), torch.full((33,), 448.0)]
     gpu_args = [a.cuda() for a in args]
@@ -180,7 +183,8 @@ def test_gpu_delayed_scaling_update_equals_cpu():
 def _opcheck_cases():
     x = sample((16, 32), torch.bfloat16, seed=5)
     x[torch.isnan(x) | torch.isinf(x)] = 1.0
-    one = lambda v=0.0: torch.full((1,), v)
+    def one(v=0.0):
+        return torch.full((1,), v)
     codes = torch.randint(0, 126, (16, 32), dtype=torch.uint8)
     return [
         (torch.ops.tpfp8.quantize.default,

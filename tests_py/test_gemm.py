@@ -1,6 +1,5 @@
 """tpfp8.ops.gemm: the CPU reference against float64 math, cuBLASLt against the CPU reference
 on the same FP8 bytes, and the argument errors."""
-import numpy as np
 import pytest
 import torch
 
@@ -119,7 +118,8 @@ def gpu_vs_cpu(a, b, out_dtype, bias=None, accumulate=False, return_rows=False, 
     init = rand((m, n), 99, out_dtype)
     gpu_out = init.cuda() if accumulate else torch.full((m, n), float("nan"), dtype=out_dtype,
                                                         device="cuda")
-    cuda = lambda t: None if t is None else t.cuda()
+    def cuda(t):
+        return None if t is None else t.cuda()
     ops.gemm(a.cuda(), b.cuda(), out=gpu_out, bias=cuda(bias), accumulate=accumulate,
              **{k: cuda(v) if isinstance(v, torch.Tensor) else v for k, v in kw.items()})
     cpu_out = init[rows].clone()
@@ -189,8 +189,9 @@ def test_gpu_gemm_is_cuda_graph_capturable():
     b, sb = fp8_operand((384, 256), "e4m3", 2)
     a, b, sa, sb = a.cuda(), b.cuda(), sa.cuda(), sb.cuda()
     out = torch.empty(512, 384, dtype=torch.bfloat16, device="cuda")
-    run = lambda: ops.gemm(a, b, out=out, a_format="e4m3", b_format="e4m3", a_scale_inv=sa,
-                           b_scale_inv=sb, fast_accum=True)
+    def run():
+        return ops.gemm(a, b, out=out, a_format="e4m3", b_format="e4m3", a_scale_inv=sa,
+                               b_scale_inv=sb, fast_accum=True)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         run()  # warm-up on the capture stream: plan and workspace are made here

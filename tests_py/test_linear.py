@@ -61,7 +61,8 @@ def test_matches_nn_linear_bf16_within_rounding():
 def test_follows_torch_autocast():
     lin, ref = make()
     x, dy = torch.randn(16, 32), torch.randn(16, 48).bfloat16()
-    ctx = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    def ctx():
+        return torch.autocast("cpu", dtype=torch.bfloat16)
     got, want = run(lin, x, dy, ctx()), run(ref, x, dy, ctx())
     assert got[0].dtype == want[0].dtype == torch.bfloat16
     for g, w in zip(got, want):
@@ -157,7 +158,8 @@ def test_backward_scale_updates_at_end_of_backward():
 
 def test_save_original_input_is_bit_identical_with_current_scaling():
     x, dy = torch.randn(4, 16, 32), torch.randn(4, 16, 48)
-    ctx = lambda: tpfp8.fp8_autocast(recipe=tpfp8.CurrentScaling())
+    def ctx():
+        return tpfp8.fp8_autocast(recipe=tpfp8.CurrentScaling())
     plain = run(make(seed=7)[0], x, dy, ctx())
     saved = run(make(seed=7, save_original_input=True)[0], x, dy, ctx())
     for a, b in zip(plain, saved):
@@ -175,7 +177,8 @@ def test_wgrad_pads_token_count_internally():
 
 def test_weight_cache_matches_uncached():
     lin, _ = make(seed=9)
-    ctx = lambda: tpfp8.fp8_autocast(recipe=tpfp8.CurrentScaling())
+    def ctx():
+        return tpfp8.fp8_autocast(recipe=tpfp8.CurrentScaling())
     xs = [torch.randn(16, 32) for _ in range(3)]
     dy = torch.randn(16, 48)
     plain = [run(lin, x, dy, ctx()) for x in xs]
@@ -187,7 +190,8 @@ def test_weight_cache_matches_uncached():
 
 def test_main_grad_accumulates_over_microbatches():
     lin, _ = make(seed=10, fuse_wgrad_accumulation=True)
-    ctx = lambda: tpfp8.fp8_autocast(recipe=tpfp8.CurrentScaling())
+    def ctx():
+        return tpfp8.fp8_autocast(recipe=tpfp8.CurrentScaling())
     plain, _ = make(seed=10)
     total = torch.zeros_like(lin.weight)
     for i in range(4):

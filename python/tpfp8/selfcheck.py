@@ -46,7 +46,8 @@ def main(argv=None) -> int:
     argparse.ArgumentParser(description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and tpfp8.with_cuda() else [])
-    print(f"tpfp8 {tpfp8.__version__} (CUDA kernels: {tpfp8.with_cuda()}), torch {torch.__version__}")
+    print(f"tpfp8 {tpfp8.__version__} (CUDA kernels: {tpfp8.with_cuda()}), "
+          f"torch {torch.__version__}")
     t0 = time.perf_counter()
     failures = [f for d in devices for f in check(d)]
     print(f"self-check on {', '.join(devices)}: "

@@ -1,0 +1,154 @@
+"""Forward+backward time of tpfp8.Linear (delayed and current scaling) beside bf16 nn.Linear
+and a torch-native FP8 linear (torch casts + torch._scaled_mm), plus the activation memory
+each keeps for backward.
+
+  python bench/linear.py                       # the issue's shapes, bf16 inputs, on the GPU
+  python bench/linear.py --shapes 4096x4096x4096
+  python bench/linear.py --device cpu --shapes 64x64x64 --reps 2   # smoke run of the script
+"""
+import argparse
+import os
+import sys
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (add_common_args, device_name, print_table, save_bar_plot,  # noqa: E402
+                    save_json, time_ms)
+
+import tpfp8  # noqa: E402
+
+SHAPES = [(2048, 1024, 1024), (4096, 4096, 4096), (8192, 8192, 8192), (16384, 4096, 16384),
+          (16384, 16384, 4096)]
+
+
+def _to_fp8(t, dtype):
+    amax = t.abs().max().float()
+    scale = torch.finfo(dtype).max / amax.clamp_min(1e-12)
+    return (t.float() * scale).to(dtype), scale.reciprocal()
+
+
+class TorchNativeFp8Linear(torch.autograd.Function):
+    """The baseline users write by hand: current scaling with torch ops, _scaled_mm GEMMs."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+        x8, sx = _to_fp8(x, e4m3)
+        w8, sw = _to_fp8(w, e4m3)
+        y = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype,
+                             use_fast_accum=True)
+        ctx.save_for_backward(x8, sx, w8, sw)
+        ctx.e5m2 = e5m2
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x8, sx, w8, sw = ctx.saved_tensors
+        dy8, sdy = _to_fp8(dy, ctx.e5m2)
+        dx = torch._scaled_mm(dy8, w8.t().contiguous().t(), scale_a=sdy, scale_b=sw,
+                              out_dtype=dy.dtype)
+        dw = torch._scaled_mm(dy8.t().contiguous(), x8.t().contiguous().t(), scale_a=sdy,
+                              scale_b=sx, out_dtype=torch.float32)
+        return dx, dw
+
+
+def make_cases(m, k, n, device):
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+    ours = tpfp8.Linear(k, n, bias=False, device=device)
+    bf16 = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+    w_native = nn.Parameter(torch.randn(n, k, device=device) * 0.02)
+
+    def step(fn):
+        def run():
+            y = fn()
+            y.backward(dy)
+            return y
+        return run
+
+    def in_fp8(recipe):
+        def run():
+            with tpfp8.fp8_autocast(recipe=recipe):
+                return ours(x)
+        return run
+
+    cases = {
+        "bf16 nn.Linear": step(lambda: bf16(x)),
+        "tpfp8 delayed": step(in_fp8(tpfp8.DelayedScaling())),
+        "tpfp8 current": step(in_fp8(tpfp8.CurrentScaling())),
+    }
+    if device.startswith("cuda") and hasattr(torch, "_scaled_mm"):
+        cases["torch-native fp8"] = step(lambda: TorchNativeFp8Linear.apply(x, w_native))
+    def fp8_forward(recipe):
+        def run(inp):
+            with tpfp8.fp8_autocast(recipe=recipe):
+                return ours(inp)
+        return run
+
+    forwards = {"bf16 nn.Linear": bf16, "tpfp8 delayed": fp8_forward(tpfp8.DelayedScaling()),
+                "tpfp8 current": fp8_forward(tpfp8.CurrentScaling())}
+    return cases, forwards
+
+
+def saved_bytes(forward, m, k, device):
+    """Bytes a forward keeps alive for backward once its input is dropped, output excluded."""
+    if not device.startswith("cuda"):
+        return float("nan")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    y = forward(x)
+    del x
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
+    del y
+    return kept
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser)
+    parser.add_argument("--shapes", default=None, help="comma-separated MxKxN list")
+    args = parser.parse_args(argv)
+    shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+              if args.shapes else SHAPES)
+    results, rows = [], []
+    for i, (m, k, n) in enumerate(shapes):
+        print(f"[{i + 1}/{len(shapes)}] M={m} K={k} N={n} ...", flush=True)
+        cases, forwards = make_cases(m, k, n, args.device)
+        r = {"m": m, "k": k, "n": n}
+        for name, fn in cases.items():
+            r[name] = {"ms": time_ms(fn, args.device, args.reps)}
+        base = r["bf16 nn.Linear"]["ms"]
+        for name in cases:
+            r[name]["speedup_vs_bf16"] = base / r[name]["ms"]
+        for name, fwd in forwards.items():
+            r[name]["saved_bytes"] = saved_bytes(fwd, m, k, args.device)
+        # tpfp8 also keeps the column-wise FP8 weight (N*K bytes) for dgrad; the rest is x's.
+        x_bytes = r["tpfp8 delayed"]["saved_bytes"] - n * k
+        mem = x_bytes / r["bf16 nn.Linear"]["saved_bytes"]
+        r["x_saved_vs_bf16"] = mem
+        results.append(r)
+        native = r.get("torch-native fp8", {}).get("speedup_vs_bf16", float("nan"))
+        rows.append([f"{m}x{k}x{n}", f"{base:.3f}", f"{r['tpfp8 delayed']['speedup_vs_bf16']:.2f}x",
+                     f"{r['tpfp8 current']['speedup_vs_bf16']:.2f}x", f"{native:.2f}x",
+                     f"{mem:.0%}"])
+        del cases, forwards
+    dev = device_name(args.device)
+    print(f"\nLinear forward+backward, bf16 input, on {dev} (speed-up = bf16 time / time)")
+    print_table(["MxKxN", "bf16 ms", "tpfp8 delayed", "tpfp8 current", "torch-native fp8",
+                 "saved x vs bf16"], rows)
+    save_json(os.path.join(args.out, "linear.json"), {"device": dev, "results": results})
+    labels = [f"{r['m']}x{r['k']}x{r['n']}" for r in results]
+    names = [n for n in ("tpfp8 delayed", "tpfp8 current", "torch-native fp8") if n in results[0]]
+    save_bar_plot(os.path.join(args.out, "linear.png"), labels,
+                  {n: [r[n]["speedup_vs_bf16"] for r in results] for n in names},
+                  "speed-up vs bf16 nn.Linear", f"Linear fwd+bwd on {dev}")
+
+
+if __name__ == "__main__":
+    main()
