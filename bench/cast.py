@@ -7,15 +7,14 @@ Inputs rotate across several buffers so the 60 MB L2 does not serve repeated run
   python bench/cast.py                 # the issue's shapes on the GPU
   python bench/cast.py --device cpu    # small shapes, CPU reference
 """
-import argparse
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (add_common_args, device_name, print_table, save_bar_plot,  # noqa: E402
-                    save_json, time_ms)
+from common import (device_name, make_parser, parse_shapes, print_table,  # noqa: E402
+                    save_bar_plot, save_json, time_ms)
 
 import tpfp8  # noqa: E402,F401
 
@@ -53,17 +52,10 @@ def make_cases(m, k, device, copies):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser)
-    parser.add_argument("--shapes", default=None,
-                        help="comma-separated MxK list (default: the issue's GPU shapes, or "
-                             "small ones on CPU)")
-    args = parser.parse_args(argv)
-    if args.shapes:
-        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    else:
-        shapes = GPU_SHAPES if args.device.startswith("cuda") else CPU_SHAPES
+    args = make_parser(__doc__, "comma-separated MxK list (default: the issue's GPU shapes, "
+                                "or small ones on CPU)").parse_args(argv)
+    default = GPU_SHAPES if args.device.startswith("cuda") else CPU_SHAPES
+    shapes = parse_shapes(args.shapes) or default
     reps = args.reps if args.device.startswith("cuda") else min(args.reps, 5)
 
     results, rows = [], []

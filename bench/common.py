@@ -9,11 +9,23 @@ import time
 import torch
 
 
-def add_common_args(parser: argparse.ArgumentParser) -> None:
+def make_parser(doc: str, shapes_help: str) -> argparse.ArgumentParser:
+    """The options every benchmark takes: --device, --reps, --out, --shapes."""
+    parser = argparse.ArgumentParser(description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="device to run on (default: cuda when present, else cpu)")
     parser.add_argument("--reps", type=int, default=50, help="timed repetitions per case")
     parser.add_argument("--out", default="bench/out", help="folder for the JSON and PNG results")
+    parser.add_argument("--shapes", default=None, help=shapes_help)
+    return parser
+
+
+def parse_shapes(text):
+    """'4096x4096,128x64' -> [(4096, 4096), (128, 64)]; None -> None."""
+    if not text:
+        return None
+    return [tuple(int(v) for v in s.split("x")) for s in text.split(",")]
 
 
 def time_ms(fn, device: str, reps: int, warmup: int = 5) -> float:

@@ -6,15 +6,14 @@ E4M3 bytes and tensorwise scales. TFLOP/s = 2*M*N*K / time.
   python bench/gemm.py
   python bench/gemm.py --shapes 4096x4096x4096   # MxKxN
 """
-import argparse
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (add_common_args, device_name, print_table, save_bar_plot,  # noqa: E402
-                    save_json, time_ms)
+from common import (device_name, make_parser, parse_shapes, print_table,  # noqa: E402
+                    save_bar_plot, save_json, time_ms)
 
 from tpfp8 import ops  # noqa: E402
 
@@ -46,16 +45,12 @@ def make_cases(m, k, n, device):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser)
-    parser.add_argument("--shapes", default=None, help="comma-separated MxKxN list")
+    parser = make_parser(__doc__, "comma-separated MxKxN list")
     args = parser.parse_args(argv)
     if not args.device.startswith("cuda"):
         parser.error("the GEMM benchmark needs a CUDA device (the CPU reference is a test oracle, "
                      "not a fast path)")
-    shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-              if args.shapes else SHAPES)
+    shapes = parse_shapes(args.shapes) or SHAPES
     results, rows = [], []
     for i, (m, k, n) in enumerate(shapes):
         print(f"[{i + 1}/{len(shapes)}] M={m} K={k} N={n} ...", flush=True)

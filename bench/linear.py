@@ -6,7 +6,6 @@ each keeps for backward.
   python bench/linear.py --shapes 4096x4096x4096
   python bench/linear.py --device cpu --shapes 64x64x64 --reps 2   # smoke run of the script
 """
-import argparse
 import os
 import sys
 
@@ -14,8 +13,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (add_common_args, device_name, print_table, save_bar_plot,  # noqa: E402
-                    save_json, time_ms)
+from common import (device_name, make_parser, parse_shapes, print_table,  # noqa: E402
+                    save_bar_plot, save_json, time_ms)
 
 import tpfp8  # noqa: E402
 
@@ -109,13 +108,8 @@ def saved_bytes(forward, m, k, device):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser)
-    parser.add_argument("--shapes", default=None, help="comma-separated MxKxN list")
-    args = parser.parse_args(argv)
-    shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-              if args.shapes else SHAPES)
+    args = make_parser(__doc__, "comma-separated MxKxN list").parse_args(argv)
+    shapes = parse_shapes(args.shapes) or SHAPES
     results, rows = [], []
     for i, (m, k, n) in enumerate(shapes):
         print(f"[{i + 1}/{len(shapes)}] M={m} K={k} N={n} ...", flush=True)
