@@ -86,8 +86,10 @@ struct Saved : torch::CustomClassHolder {
 };
 
 struct LinearFunction : torch::autograd::Function<LinearFunction> {
+  // grad_enabled: autograd turns grad mode off inside forward, so the caller's mode is passed
+  // in; without it (inference) no column-wise data is made for a backward that never comes.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const OptTensor& bias, const LinearOptions& o) {
+                            const OptTensor& bias, const LinearOptions& o, bool grad_enabled) {
     const int64_t n = weight.size(0), k = weight.size(1);
     const at::Tensor x2 = x.reshape({-1, k}).contiguous();
     auto s = c10::make_intrusive<Saved>();
@@ -95,7 +97,8 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     s->x_shape = x.sizes().vec();
     s->x_dtype = x.scalar_type();
     if (bias) s->bias_dtype = bias->scalar_type();
-    const bool need_wgrad = weight.requires_grad() || o.fuse_wgrad_accumulation;
+    const bool need_wgrad = grad_enabled && (weight.requires_grad() || o.fuse_wgrad_accumulation);
+    const bool need_dgrad = grad_enabled && x.requires_grad();
     at::Tensor y = at::empty({x2.size(0), n}, x.options());
     if (!o.fp8) {
       gemm(x2, weight, y, std::nullopt, std::nullopt, gemm_code(x2), gemm_code(weight),
@@ -103,7 +106,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
       ctx->save_for_backward({x2, weight});
     } else {
       const Fp8Tensor qx = quantize(x2, o.input, true, need_wgrad && !o.save_original_input);
-      const Fp8Tensor qw = weight_fp8(weight, o, x.requires_grad());
+      const Fp8Tensor qw = weight_fp8(weight, o, need_dgrad);
       // The FP8 epilogue adds a 16-bit bias; an fp32 output gets its bias added in fp32.
       const bool fuse_bias = bias && y.scalar_type() != at::kFloat;
       fp8_gemm(qx.rowwise, qx, qw.rowwise, qw, y,
@@ -162,7 +165,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     if (s->bias_dtype && ctx->needs_input_grad(2)) {
       db = dy.sum(0, false, at::kFloat).to(*s->bias_dtype);
     }
-    return {dx.defined() ? dx.view(s->x_shape) : dx, dw, db, at::Tensor()};
+    return {dx.defined() ? dx.view(s->x_shape) : dx, dw, db, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -171,7 +174,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
                   const LinearOptions& options) {
   check_inputs(x, weight, bias, options);
-  return LinearFunction::apply(x, weight, bias, options);
+  return LinearFunction::apply(x, weight, bias, options, at::GradMode::is_enabled());
 }
 
 }  // namespace tpfp8

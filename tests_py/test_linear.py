@@ -399,3 +399,14 @@ def test_gpu_training_parity_with_bf16(recipe):
         torch.set_default_device("cpu")
     assert bf16_final < 0.5 * first
     assert abs(fp8_final - bf16_final) <= 0.03 * bf16_final
+
+
+def test_inference_under_no_grad_matches_training_forward():
+    lin, _ = make(seed=16)
+    x = torch.randn(16, 32)
+    with tpfp8.fp8_autocast(recipe=tpfp8.CurrentScaling()):
+        with torch.no_grad():
+            y_infer = lin(x)  # no column-wise data is made: nothing will run backward
+        y_train = lin(x.requires_grad_())
+    assert not y_infer.requires_grad
+    assert torch.equal(y_infer, y_train.detach())
