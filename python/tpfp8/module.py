@@ -77,6 +77,7 @@ class Linear(nn.Module):
         if self._fwd_meta is None or not self._fwd_meta.matches(recipe, device):
             self._fwd_meta = _autocast.ScalingMeta([fwd_fmt, fwd_fmt], recipe, device)
             self._bwd_meta = _autocast.ScalingMeta([grad_fmt], recipe, device)
+        self._fwd_meta.recipe = self._bwd_meta.recipe = recipe
         return self._fwd_meta, self._bwd_meta
 
     def _quantizers(self, recipe, device):
