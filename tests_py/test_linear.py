@@ -410,3 +410,15 @@ def test_inference_under_no_grad_matches_training_forward():
         y_train = lin(x.requires_grad_())
     assert not y_infer.requires_grad
     assert torch.equal(y_infer, y_train.detach())
+
+
+def test_return_bias_and_high_precision_main_grad():
+    lin, ref = make(seed=19, return_bias=True, fuse_wgrad_accumulation=True)
+    x, dy = torch.randn(8, 32), torch.randn(8, 48)
+    y, bias = lin(x)
+    assert bias is lin.bias
+    assert rel(y + bias, ref(x)) <= 1e-6
+    y.backward(dy)
+    ref(x).backward(dy)
+    assert lin.weight.grad is None
+    assert rel(lin.weight.main_grad, ref.weight.grad) <= 1e-6
