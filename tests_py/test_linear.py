@@ -422,3 +422,25 @@ def test_return_bias_and_high_precision_main_grad():
     ref(x).backward(dy)
     assert lin.weight.grad is None
     assert rel(lin.weight.main_grad, ref.weight.grad) <= 1e-6
+
+
+def test_one_update_launch_for_all_modules(monkeypatch):
+    from tpfp8 import autocast as ac
+    calls = []
+    real = ac.ops.delayed_scaling_update
+    monkeypatch.setattr(ac.ops, "delayed_scaling_update",
+                        lambda *a, **k: (calls.append(a[0].shape), real(*a, **k)))
+    torch.manual_seed(20)
+    layers = nn.Sequential(*[tpfp8.Linear(32, 32) for _ in range(5)])
+    x = torch.randn(16, 32)
+    with tpfp8.fp8_autocast(recipe=tpfp8.DelayedScaling(amax_history_len=4)):
+        hidden = [x]
+        for layer in layers:
+            hidden.append(layer(hidden[-1]))
+    assert calls == [(4, 10)]  # forward: 5 modules x (input, weight) in one launch
+    hidden[-1].sum().backward()
+    assert calls == [(4, 10), (4, 5)]  # backward: 5 gradients in one launch
+    for layer, inp in zip(layers, hidden):
+        want = np.float32(448.0) / np.float32(inp.detach().abs().max())
+        assert float(layer._fwd_meta.scale[0]) == want
+        assert float(layer._fwd_meta.amax_history[1, 0]) == np.float32(inp.detach().abs().max())

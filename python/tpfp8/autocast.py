@@ -35,7 +35,8 @@ def fp8_autocast(enabled: bool = True, recipe=None, amax_group=None):
             parallelism); None on a single device.
 
     On exit, every module that ran a delayed-scaling forward in the block rolls its amax
-    history and updates its scales (a few launches per module, no host synchronisation).
+    history and updates its scales: a handful of launches for all of them together, no host
+    synchronisation.
     """
     if recipe is None:
         recipe = DelayedScaling()
@@ -49,37 +50,66 @@ def fp8_autocast(enabled: bool = True, recipe=None, amax_group=None):
     finally:
         _stack().pop()
         if frame is not None:
-            for meta in frame["ran"].values():
-                meta.update()
+            update_all(frame["ran"].values())
 
 
 class ScalingMeta:
-    """Delayed-scaling state of one direction (forward or backward) of one module: scales,
-    their inverses and the amax history [history_len, n] of its n tensors."""
+    """Delayed-scaling state of one direction (forward or backward) of one module: scales and
+    their inverses [n], and the amax histories of its n tensors, stored tensor-major
+    (``history[i]`` is tensor i's history, newest first) so that batched updates can write
+    every module back with one multi-tensor copy."""
 
     def __init__(self, formats, recipe: DelayedScaling, device):
         n = len(formats)
         self.recipe = recipe
         self.scale = torch.ones(n, device=device)
         self.scale_inv = torch.ones(n, device=device)
-        self.amax_history = torch.zeros(recipe.amax_history_len, n, device=device)
+        self.history = torch.zeros(n, recipe.amax_history_len, device=device)
         self.fp8_max = torch.tensor([f.max for f in formats], device=device)
 
-    def matches(self, recipe, device) -> bool:
-        return (self.amax_history.shape[0] == recipe.amax_history_len
-                and self.scale.device == torch.device(device))
+    @property
+    def amax_history(self) -> torch.Tensor:
+        """[history_len, n] view: row 0 is the running step's amax of each tensor."""
+        return self.history.t()
 
-    def update(self):
-        ops.delayed_scaling_update(self.amax_history, self.scale, self.scale_inv, self.fp8_max,
-                                   self.recipe.margin, self.recipe.amax_compute_algo)
+    def amax_slot(self, i: int) -> torch.Tensor:
+        """Where a cast of tensor i folds its amax: a [1] view of its history."""
+        return self.history[i, :1]
+
+    def matches(self, recipe, device) -> bool:
+        return (self.history.shape[1] == recipe.amax_history_len
+                and self.scale.device == torch.device(device))
 
     def state(self) -> dict:
         return {"scale": self.scale, "scale_inv": self.scale_inv,
                 "amax_history": self.amax_history}
 
     def load(self, state: dict) -> None:
-        for k, v in state.items():
-            getattr(self, k).copy_(v)
+        self.scale.copy_(state["scale"])
+        self.scale_inv.copy_(state["scale_inv"])
+        self.amax_history.copy_(state["amax_history"])
+
+
+def update_all(metas) -> None:
+    """Rolls the histories and updates the scales of many modules at once: per (device,
+    recipe) a handful of launches whatever the number of modules (concatenate, one
+    delayed_scaling_update, multi-tensor copies back)."""
+    groups = {}
+    for m in metas:
+        key = (m.scale.device, m.recipe.amax_history_len, m.recipe.margin,
+               m.recipe.amax_compute_algo)
+        groups.setdefault(key, []).append(m)
+    for group in groups.values():
+        recipe, sizes = group[0].recipe, [m.scale.numel() for m in group]
+        history = torch.cat([m.history for m in group]).t().contiguous()  # [H, N] for the op
+        scale = torch.cat([m.scale for m in group])
+        scale_inv = torch.empty_like(scale)
+        ops.delayed_scaling_update(history, scale, scale_inv,
+                                   torch.cat([m.fp8_max for m in group]), recipe.margin,
+                                   recipe.amax_compute_algo)
+        torch._foreach_copy_([m.history for m in group], history.t().contiguous().split(sizes))
+        torch._foreach_copy_([m.scale for m in group], scale.split(sizes))
+        torch._foreach_copy_([m.scale_inv for m in group], scale_inv.split(sizes))
 
 
 def register_forward(meta: ScalingMeta) -> None:
@@ -102,8 +132,7 @@ def register_backward(meta: ScalingMeta) -> None:
 def _update_backward() -> None:
     metas = list(_pending_backward.values())
     _pending_backward.clear()
-    for meta in metas:
-        meta.update()
+    update_all(metas)
 
 
 def amax_group() -> Optional[object]:

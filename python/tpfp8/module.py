@@ -95,7 +95,7 @@ class Linear(nn.Module):
         for spec, meta, col in ((specs[0], fwd, _INPUT), (specs[1], fwd, _WEIGHT),
                                 (specs[2], bwd, 0)):
             spec.scale = meta.scale[col:col + 1]
-            spec.amax = meta.amax_history[0, col:col + 1]
+            spec.amax = meta.amax_slot(col)
         return specs
 
     def get_extra_state(self):
