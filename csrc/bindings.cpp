@@ -27,6 +27,10 @@ PYBIND11_MODULE(_C, m) {
       .value("NONE", WeightCache::kNone)
       .value("FILL", WeightCache::kFill)
       .value("REUSE", WeightCache::kReuse);
+  py::enum_<ParallelMode>(m, "ParallelMode")
+      .value("NONE", ParallelMode::kNone)
+      .value("COLUMN", ParallelMode::kColumn)
+      .value("ROW", ParallelMode::kRow);
   py::class_<QuantizerSpec>(m, "QuantizerSpec", "How one tensor of a Linear is quantized")
       .def(py::init<>())
       .def_readwrite("scaling", &QuantizerSpec::scaling)
@@ -48,7 +52,14 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("weight_cache", &LinearOptions::weight_cache)
       .def_readwrite("weight_cache_rowwise", &LinearOptions::weight_cache_rowwise)
       .def_readwrite("weight_cache_columnwise", &LinearOptions::weight_cache_columnwise)
-      .def_readwrite("weight_cache_scale_inv", &LinearOptions::weight_cache_scale_inv);
+      .def_readwrite("weight_cache_scale_inv", &LinearOptions::weight_cache_scale_inv)
+      .def_readwrite("parallel_mode", &LinearOptions::parallel_mode)
+      .def_readwrite("sequence_parallel", &LinearOptions::sequence_parallel)
+      .def_readwrite("tp_group", &LinearOptions::tp_group)
+      .def_readwrite("quantize_after_gather", &LinearOptions::quantize_after_gather);
+  // Without the GIL: forward may wait on a collective while a communication thread needs the
+  // GIL to free an earlier Python-owned tensor (a deadlock seen with gloo otherwise).
   m.def("linear", &linear, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("options"),
+        py::call_guard<py::gil_scoped_release>(),
         "y = x W^T (+ bias) with autograd; see csrc/linear.h");
 }

@@ -4,6 +4,7 @@
 
 #include <torch/autograd.h>
 
+#include "comm.h"
 #include "ops.h"
 
 namespace tpfp8 {
@@ -26,12 +27,40 @@ at::Tensor pad_contracted(const at::Tensor& t) {
   return pad == 0 ? t : at::constant_pad_nd(t, {0, pad}, 0);
 }
 
-at::Tensor fp8_gemm(const at::Tensor& a, const Fp8Tensor& qa, const at::Tensor& b,
-                    const Fp8Tensor& qb, at::Tensor out, const OptTensor& bias, bool fast,
-                    bool accumulate = false) {
-  gemm(a, b, out, qa.scale_inv, qb.scale_inv, gemm_code(qa.format), gemm_code(qb.format), bias,
-       accumulate, fast, false, false);
+// A GEMM operand as the GEMM reads it: FP8 codes with their scale_inv, or high-precision
+// values, stored [rows, K] or (transposed, high precision only) [K, rows].
+struct Operand {
+  at::Tensor data;
+  OptTensor scale_inv;
+  int64_t type = 0;
+  bool transposed = false;
+};
+
+Operand rowwise(const Fp8Tensor& q) { return {q.rowwise, q.scale_inv, gemm_code(q.format)}; }
+Operand columnwise(const Fp8Tensor& q) {
+  return {pad_contracted(q.columnwise), q.scale_inv, gemm_code(q.format)};
+}
+Operand high_precision(const at::Tensor& t, bool transposed = false) {
+  return {t, std::nullopt, gemm_code(t), transposed};
+}
+
+// out = A . B^T (+ bias) (+ out)
+at::Tensor run_gemm(const Operand& a, const Operand& b, at::Tensor out, const OptTensor& bias,
+                    bool fast_accum, bool accumulate = false) {
+  gemm(a.data, b.data, out, a.scale_inv, b.scale_inv, a.type, b.type, bias, accumulate, fast_accum,
+       a.transposed, b.transposed);
   return out;
+}
+
+// Current scaling of a tensor that is split across the group: the amax is all-reduced (MAX)
+// first, so every rank computes the scale of the whole tensor.
+QuantizerSpec with_group_amax(QuantizerSpec spec, const ProcessGroupPtr& group) {
+  if (spec.scaling == Scaling::kCurrent) {
+    spec.reduce_amax = [group](at::Tensor& amax) {
+      all_reduce(amax, *group, c10d::ReduceOp::MAX);
+    };
+  }
+  return spec;
 }
 
 void check_inputs(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
@@ -82,8 +111,17 @@ struct Saved : torch::CustomClassHolder {
   std::vector<int64_t> x_shape;
   at::ScalarType x_dtype;
   std::optional<at::ScalarType> bias_dtype;
-  Fp8Tensor qx, qw;  // column-wise parts only
+  // FP8 input for wgrad: column-wise [K, M], or (column-parallel sequence parallel) this
+  // rank's row-wise bytes [M/tp, K], re-gathered in backward. FP8 weight: column-wise.
+  Fp8Tensor qx, qw;
 };
+
+bool gathers_input(const LinearOptions& o) {
+  return o.parallel_mode == ParallelMode::kColumn && o.sequence_parallel;
+}
+bool gathers_grad(const LinearOptions& o) {
+  return o.parallel_mode == ParallelMode::kRow && o.sequence_parallel;
+}
 
 struct LinearFunction : torch::autograd::Function<LinearFunction> {
   // grad_enabled: autograd turns grad mode off inside forward, so the caller's mode is passed
@@ -99,26 +137,37 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     if (bias) s->bias_dtype = bias->scalar_type();
     const bool need_wgrad = grad_enabled && (weight.requires_grad() || o.fuse_wgrad_accumulation);
     const bool need_dgrad = grad_enabled && x.requires_grad();
-    at::Tensor y = at::empty({x2.size(0), n}, x.options());
-    if (!o.fp8) {
-      gemm(x2, weight, y, std::nullopt, std::nullopt, gemm_code(x2), gemm_code(weight),
-           bias ? OptTensor(bias->to(y.scalar_type())) : std::nullopt, false, false, false, false);
-      ctx->save_for_backward({x2, weight});
-    } else {
-      const Fp8Tensor qx = quantize(x2, o.input, true, need_wgrad && !o.save_original_input);
+
+    // 1. The input of fprop: quantized, and gathered along rows under column-parallel SP.
+    const Operand x_row = prepare_input(x2, o, need_wgrad, *s);
+    // 2. The weight: FP8 row-wise for fprop (+ column-wise for dgrad), or as it is.
+    Operand w_row = high_precision(weight);
+    if (o.fp8) {
       const Fp8Tensor qw = weight_fp8(weight, o, need_dgrad);
-      // The FP8 epilogue adds a 16-bit bias; an fp32 output gets its bias added in fp32.
-      const bool fuse_bias = bias && y.scalar_type() != at::kFloat;
-      fp8_gemm(qx.rowwise, qx, qw.rowwise, qw, y,
-               fuse_bias ? OptTensor(bias->to(y.scalar_type())) : std::nullopt, true);
-      if (bias && !fuse_bias) y.add_(*bias);
-      s->qx = {at::Tensor(), qx.columnwise, qx.scale_inv, qx.format};
       s->qw = {at::Tensor(), qw.columnwise, qw.scale_inv, qw.format};
-      ctx->save_for_backward({o.save_original_input ? x2 : at::Tensor(), weight});
+      w_row = rowwise(qw);
     }
+    // 3. fprop. The bias is fused in the epilogue except where an FP8 GEMM writes fp32 (its
+    //    epilogue takes a 16-bit bias) and under row parallelism (it is added once, after the
+    //    reduction).
+    at::Tensor y = at::empty({x_row.data.size(0), n}, x.options());
+    const bool row = o.parallel_mode == ParallelMode::kRow;
+    const bool fuse_bias = bias && !row && !(o.fp8 && y.scalar_type() == at::kFloat);
+    run_gemm(x_row, w_row, y, fuse_bias ? OptTensor(bias->to(y.scalar_type())) : std::nullopt,
+             o.fp8);
+    // 4. Row parallel: sum the partial outputs over the group.
+    if (row && o.sequence_parallel) {
+      y = reduce_scatter_rows(y, *o.tp_group);
+    } else if (row) {
+      all_reduce(y, *o.tp_group, c10d::ReduceOp::SUM);
+    }
+    if (bias && !fuse_bias) y.add_(bias->to(y.scalar_type()));
+
     ctx->saved_data["state"] = c10::IValue::make_capsule(s);
     std::vector<int64_t> out_shape = s->x_shape;
     out_shape.back() = n;
+    out_shape[0] = out_shape[0] * y.size(0) / x2.size(0);  // sequence parallel: dim 0 changes
+    ctx->save_for_backward({saves_hp_input(o) ? x2 : at::Tensor(), weight});
     return y.view(out_shape);
   }
 
@@ -131,41 +180,116 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     const at::Tensor dy = grads[0].reshape({-1, n}).contiguous();
     const bool need_dgrad = ctx->needs_input_grad(0);
     const bool need_wgrad = ctx->needs_input_grad(1) || o.fuse_wgrad_accumulation;
-    at::Tensor dx, dw;
-    at::Tensor dw_out =
-        o.fuse_wgrad_accumulation ? o.main_grad : at::empty({n, k}, weight.options());
-    const bool accumulate = o.fuse_wgrad_accumulation && !o.main_grad_overwrite;
-    if (!o.fp8) {
-      const at::Tensor& x2 = saved[0];
-      if (need_dgrad) {
-        dx = at::empty({dy.size(0), k}, dy.options().dtype(s->x_dtype));
-        gemm(dy, weight, dx, std::nullopt, std::nullopt, gemm_code(dy), gemm_code(weight),
-             std::nullopt, false, false, false, true);
-      }
-      if (need_wgrad) {
-        gemm(dy, x2, dw_out, std::nullopt, std::nullopt, gemm_code(dy), gemm_code(x2), std::nullopt,
-             accumulate, false, true, true);
-      }
-    } else {
-      const Fp8Tensor qdy = quantize(dy, o.grad, need_dgrad, need_wgrad);
-      if (need_dgrad) {
-        dx = fp8_gemm(qdy.rowwise, qdy, s->qw.columnwise, s->qw,
-                      at::empty({dy.size(0), k}, dy.options().dtype(s->x_dtype)), std::nullopt,
-                      false);
-      }
-      if (need_wgrad) {
-        const Fp8Tensor qx =
-            o.save_original_input ? quantize(saved[0], o.input, false, true) : s->qx;
-        fp8_gemm(pad_contracted(qdy.columnwise), qdy, pad_contracted(qx.columnwise), qx, dw_out,
-                 std::nullopt, false, accumulate);
+
+    // 1. Column-parallel SP: start re-gathering the input for wgrad; it overlaps dgrad.
+    WorkPtr x_work;
+    at::Tensor x_gathered;
+    if (need_wgrad && gathers_input(o)) {
+      x_gathered = all_gather_rows(saves_hp_input(o) ? saved[0] : s->qx.rowwise, *o.tp_group,
+                                   &x_work);
+    }
+    // 2. The gradient: quantized, and gathered along rows under row-parallel SP.
+    const auto [dy_row, dy_col] = prepare_grad(dy, o, need_dgrad, need_wgrad);
+    // 3. dgrad, then (column parallel) its reduction, in flight during wgrad.
+    at::Tensor dx;
+    WorkPtr dx_work;
+    if (need_dgrad) {
+      const Operand w_col = o.fp8 ? columnwise(s->qw) : high_precision(weight, true);
+      dx = run_gemm(dy_row, w_col,
+                    at::empty({dy_row.data.size(0), k}, dy.options().dtype(s->x_dtype)),
+                    std::nullopt, false);
+      if (o.parallel_mode == ParallelMode::kColumn && o.sequence_parallel) {
+        dx = reduce_scatter_rows(dx, *o.tp_group, &dx_work);
+      } else if (o.parallel_mode == ParallelMode::kColumn) {
+        all_reduce(dx, *o.tp_group, c10d::ReduceOp::SUM, &dx_work);
       }
     }
-    if (need_wgrad && !o.fuse_wgrad_accumulation) dw = dw_out;
+    // 4. wgrad, into main_grad or a fresh dW.
+    at::Tensor dw;
+    if (need_wgrad) {
+      wait(x_work);
+      const Operand x_col = input_for_wgrad(saved[0], x_gathered, *s);
+      const bool accumulate = o.fuse_wgrad_accumulation && !o.main_grad_overwrite;
+      at::Tensor out = o.fuse_wgrad_accumulation ? o.main_grad : at::empty({n, k}, weight.options());
+      run_gemm(dy_col, x_col, out, std::nullopt, false, accumulate);
+      if (!o.fuse_wgrad_accumulation) dw = out;
+    }
+    wait(dx_work);
+    // 5. db: the local sum; under row-parallel SP each rank holds part of the rows of dy.
     at::Tensor db;
     if (s->bias_dtype && ctx->needs_input_grad(2)) {
-      db = dy.sum(0, false, at::kFloat).to(*s->bias_dtype);
+      db = dy.sum(0, false, at::kFloat);
+      if (gathers_grad(o)) all_reduce(db, *o.tp_group, c10d::ReduceOp::SUM);
+      db = db.to(*s->bias_dtype);
     }
     return {dx.defined() ? dx.view(s->x_shape) : dx, dw, db, at::Tensor(), at::Tensor()};
+  }
+
+ private:
+  // Whether backward keeps the high-precision input (re-quantized or used as it is there).
+  static bool saves_hp_input(const LinearOptions& o) {
+    return !o.fp8 || o.save_original_input;
+  }
+
+  static Operand prepare_input(const at::Tensor& x2, const LinearOptions& o, bool need_wgrad,
+                               Saved& s) {
+    const bool gather = gathers_input(o);
+    if (!o.fp8) return high_precision(gather ? all_gather_rows(x2, *o.tp_group) : x2);
+    if (gather && o.quantize_after_gather) {
+      // Quantize what the GEMMs see: the gathered tensor, whose amax is the global one.
+      const Fp8Tensor q = quantize(all_gather_rows(x2, *o.tp_group), o.input, true,
+                                   need_wgrad && !o.save_original_input);
+      s.qx = {at::Tensor(), q.columnwise, q.scale_inv, q.format};
+      return rowwise(q);
+    }
+    const QuantizerSpec spec = gather ? with_group_amax(o.input, o.tp_group) : o.input;
+    Fp8Tensor q = quantize(x2, spec, true, need_wgrad && !o.save_original_input && !gather);
+    if (gather) {
+      s.qx = {q.rowwise, at::Tensor(), q.scale_inv, q.format};  // re-gathered in backward
+      q.rowwise = all_gather_rows(q.rowwise, *o.tp_group);    // FP8 bytes: half of bf16's
+    } else {
+      s.qx = {at::Tensor(), q.columnwise, q.scale_inv, q.format};
+    }
+    return rowwise(q);
+  }
+
+  // (operand for dgrad, operand for wgrad) from dy.
+  static std::pair<Operand, Operand> prepare_grad(const at::Tensor& dy, const LinearOptions& o,
+                                                  bool need_dgrad, bool need_wgrad) {
+    const bool gather = gathers_grad(o);
+    if (!o.fp8) {
+      const at::Tensor total = gather ? all_gather_rows(dy, *o.tp_group) : dy;
+      return {high_precision(total), high_precision(total, true)};
+    }
+    if (!gather) {
+      const Fp8Tensor q = quantize(dy, o.grad, need_dgrad, need_wgrad);
+      return {rowwise(q), need_wgrad ? columnwise(q) : Operand{}};
+    }
+    Fp8Tensor q = quantize(dy, with_group_amax(o.grad, o.tp_group), true, false);
+    q.rowwise = all_gather_rows(q.rowwise, *o.tp_group);
+    if (need_wgrad) {
+      q.columnwise = at::empty({q.rowwise.size(1), q.rowwise.size(0)}, q.rowwise.options());
+      transpose_fp8(q.rowwise, q.columnwise);
+    }
+    return {rowwise(q), need_wgrad ? columnwise(q) : Operand{}};
+  }
+
+  // The input for wgrad, column-wise: saved, re-gathered or re-quantized.
+  static Operand input_for_wgrad(const at::Tensor& x_saved, const at::Tensor& x_gathered,
+                                 const Saved& s) {
+    const LinearOptions& o = s.o;
+    const at::Tensor& hp = x_gathered.defined() ? x_gathered : x_saved;
+    if (!o.fp8) return high_precision(hp, true);
+    if (o.save_original_input) {
+      // The whole tensor is here (gathered, replicated or this rank's own): its local amax is
+      // the one forward used, so the re-quantized bytes equal forward's.
+      return columnwise(quantize(hp, o.input, false, true));
+    }
+    if (!x_gathered.defined()) return columnwise(s.qx);
+    Fp8Tensor q = s.qx;
+    q.columnwise = at::empty({x_gathered.size(1), x_gathered.size(0)}, x_gathered.options());
+    transpose_fp8(x_gathered, q.columnwise);
+    return columnwise(q);
   }
 };
 

@@ -17,11 +17,21 @@
 
 #include <optional>
 
+#include "comm.h"
 #include "quantizer.h"
 
 namespace tpfp8 {
 
 enum class WeightCache : int { kNone = 0, kFill = 1, kReuse = 2 };
+
+// Megatron-style tensor parallelism over `tp_group`:
+//   column: W split on N (this rank holds [N/tp, K]); with sequence parallelism the input
+//           arrives split along dim 0 and is all-gathered (in FP8: row-wise bytes and one
+//           shared scale), dx is reduce-scattered back; without it dx is all-reduced.
+//   row:    W split on K ([N, K/tp]); y is reduce-scattered (sequence parallel) or
+//           all-reduced, the full bias added after; with sequence parallelism dy arrives
+//           split along dim 0 and is all-gathered (FP8) for both backward GEMMs.
+enum class ParallelMode : int { kNone = 0, kColumn = 1, kRow = 2 };
 
 struct LinearOptions {
   bool fp8 = false;
@@ -35,6 +45,13 @@ struct LinearOptions {
   // kFill casts the weight into these buffers, kReuse uses them without casting.
   WeightCache weight_cache = WeightCache::kNone;
   at::Tensor weight_cache_rowwise, weight_cache_columnwise, weight_cache_scale_inv;
+  ParallelMode parallel_mode = ParallelMode::kNone;
+  bool sequence_parallel = false;
+  ProcessGroupPtr tp_group;
+  // Column-parallel + sequence parallel: gather the high-precision input and quantize the
+  // gathered tensor (what a debug quantizer needs: its statistics and its usages must be of the
+  // tensor the GEMMs use), instead of gathering FP8 bytes.
+  bool quantize_after_gather = false;
 };
 
 // y = x W^T (+ bias) with autograd. x: [..., K] fp32/bf16/fp16; weight [N, K]; bias [N].

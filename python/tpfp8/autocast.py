@@ -5,6 +5,7 @@ import threading
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from . import ops
 from .recipe import CurrentScaling, DelayedScaling
@@ -62,6 +63,7 @@ class ScalingMeta:
     def __init__(self, formats, recipe: DelayedScaling, device):
         n = len(formats)
         self.recipe = recipe
+        self.amax_group = None  # set per step by the module (tensor parallelism)
         self.scale = torch.ones(n, device=device)
         self.scale_inv = torch.ones(n, device=device)
         self.history = torch.zeros(n, recipe.amax_history_len, device=device)
@@ -97,11 +99,13 @@ def update_all(metas) -> None:
     groups = {}
     for m in metas:
         key = (m.scale.device, m.recipe.amax_history_len, m.recipe.margin,
-               m.recipe.amax_compute_algo)
+               m.recipe.amax_compute_algo, id(m.amax_group))
         groups.setdefault(key, []).append(m)
     for group in groups.values():
         recipe, sizes = group[0].recipe, [m.scale.numel() for m in group]
         history = torch.cat([m.history for m in group]).t().contiguous()  # [H, N] for the op
+        if group[0].amax_group is not None:  # one collective for all the modules' amaxes
+            dist.all_reduce(history[0], op=dist.ReduceOp.MAX, group=group[0].amax_group)
         scale = torch.cat([m.scale for m in group])
         scale_inv = torch.empty_like(scale)
         ops.delayed_scaling_update(history, scale, scale_inv,

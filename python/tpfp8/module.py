@@ -9,11 +9,14 @@ from torch import nn
 
 from . import _C
 from . import autocast as _autocast
+from . import parallel as _parallel
 from .formats import Fp8Format
 from .recipe import CurrentScaling, DelayedScaling
 
 _C_FORMAT = {Fp8Format.E4M3: _C.Fp8Format.E4M3, Fp8Format.E5M2: _C.Fp8Format.E5M2}
 _INPUT, _WEIGHT = 0, 1  # columns of the forward scaling state
+_PARALLEL = {None: _C.ParallelMode.NONE, "column": _C.ParallelMode.COLUMN,
+             "row": _C.ParallelMode.ROW}
 
 
 class Linear(nn.Module):
@@ -34,22 +37,46 @@ class Linear(nn.Module):
             ``is_first_microbatch=True``, accumulated otherwise.
         return_bias: return ``(y_without_bias, bias)`` so the caller can fuse the bias later.
         name: a label for debugging tools.
+        parallel_mode: None, ``"column"`` (``Y = X [A_1 .. A_p]``: this rank holds
+            ``weight [out/tp, in]`` and a bias shard, and outputs ``[..., out/tp]``) or
+            ``"row"`` (``Y = sum_r X_r A_r``: ``weight [out, in/tp]``, input ``[..., in/tp]``,
+            the full bias added after the reduction). ``in_features`` and ``out_features``
+            are the full sizes.
+        tp_group: the tensor-parallel process group (required with a parallel_mode).
+        sequence_parallel: activations outside the layer are split along dim 0: a column
+            layer all-gathers its input (in FP8 inside fp8_autocast), a row layer
+            reduce-scatters its output.
 
-    Shapes: input ``[..., in_features]`` (fp32, bf16 or fp16) -> ``[..., out_features]``.
+    Shapes: input ``[..., in_features]`` (fp32, bf16 or fp16) -> ``[..., out_features]``
+    (per-rank sizes under tensor parallelism).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  dtype=None, *, save_original_input: bool = False,
                  fuse_wgrad_accumulation: bool = False, return_bias: bool = False,
-                 name: Optional[str] = None):
+                 name: Optional[str] = None, parallel_mode: Optional[str] = None,
+                 tp_group=None, sequence_parallel: bool = False):
         super().__init__()
         if in_features <= 0 or out_features <= 0:
             raise ValueError(f"in_features and out_features must be positive, got "
                              f"{in_features} and {out_features}")
+        self._check_parallel(parallel_mode, tp_group, sequence_parallel, in_features,
+                             out_features)
+        self.parallel_mode, self.tp_group = parallel_mode, tp_group
+        self.sequence_parallel = sequence_parallel
+        tp = _parallel.group_size(tp_group) if parallel_mode else 1
+        out_local = out_features // tp if parallel_mode == "column" else out_features
+        in_local = in_features // tp if parallel_mode == "row" else in_features
         factory = {"device": device, "dtype": dtype}
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
-        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        self.weight = nn.Parameter(torch.empty(out_local, in_local, **factory))
+        bias_size = out_local if parallel_mode == "column" else out_features
+        self.bias = nn.Parameter(torch.empty(bias_size, **factory)) if bias else None
+        if parallel_mode:  # what Megatron-style optimizers and checkpointers look for
+            self.weight.tensor_model_parallel = True
+            self.weight.partition_dim = 0 if parallel_mode == "column" else 1
+            if self.bias is not None and parallel_mode == "column":
+                self.bias.tensor_model_parallel, self.bias.partition_dim = True, 0
         self.save_original_input = save_original_input
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.return_bias = return_bias
@@ -60,11 +87,60 @@ class Linear(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """``torch.nn.Linear``'s initialisation."""
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        """``torch.nn.Linear``'s initialisation. Under tensor parallelism the full weight is
+        drawn as a single-device layer would draw it and this rank keeps its slice, so the
+        shards equal the slices of a single-device layer built with the same seed."""
+        weight = torch.empty(self.out_features, self.in_features, dtype=self.weight.dtype,
+                             device=self.weight.device)
+        nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+        bias = None
         if self.bias is not None:
-            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
-            nn.init.uniform_(self.bias, -bound, bound)
+            bound = 1 / math.sqrt(self.in_features)
+            bias = torch.empty(self.out_features, dtype=self.bias.dtype,
+                               device=self.bias.device).uniform_(-bound, bound)
+        self.load_full_state_dict({"weight": weight, "bias": bias})
+
+    @staticmethod
+    def _check_parallel(mode, group, sequence_parallel, in_features, out_features):
+        if mode not in _PARALLEL:
+            raise ValueError(f"parallel_mode must be None, 'column' or 'row', got {mode!r}")
+        if mode is None:
+            if sequence_parallel:
+                raise ValueError("sequence_parallel=True needs parallel_mode 'column' or 'row'")
+            return
+        if group is None:
+            raise ValueError(f"parallel_mode={mode!r} needs tp_group (a torch.distributed "
+                             f"process group); initialise torch.distributed first")
+        features = out_features if mode == "column" else in_features
+        what = "out_features" if mode == "column" else "in_features"
+        _parallel.check_divisible(features, group, what, "choose a size the group divides")
+
+    def _split_dims(self):
+        """(weight dim, bias dim or None) that are split across the group."""
+        if self.parallel_mode == "column":
+            return 0, 0
+        return (1, None) if self.parallel_mode == "row" else (None, None)
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict) -> None:
+        """Loads single-device (unsharded) ``weight`` / ``bias``; each rank keeps its slice."""
+        w_dim, b_dim = self._split_dims()
+        w = state["weight"]
+        self.weight.copy_(w if w_dim is None else _parallel.shard(w, w_dim, self.tp_group))
+        if self.bias is not None and state.get("bias") is not None:
+            b = state["bias"]
+            self.bias.copy_(b if b_dim is None else _parallel.shard(b, b_dim, self.tp_group))
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict:
+        """The single-device (unsharded) ``weight`` / ``bias``, gathered from every rank."""
+        w_dim, b_dim = self._split_dims()
+        out = {"weight": self.weight.detach().clone() if w_dim is None
+               else _parallel.unshard(self.weight, w_dim, self.tp_group)}
+        if self.bias is not None:
+            out["bias"] = (self.bias.detach().clone() if b_dim is None
+                           else _parallel.unshard(self.bias, b_dim, self.tp_group))
+        return out
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -123,9 +199,14 @@ class Linear(nn.Module):
     def _check(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"Linear expects a tensor, got {type(x).__name__}")
-        if x.dim() < 1 or x.shape[-1] != self.in_features:
-            raise ValueError(f"Linear expects input [..., in_features={self.in_features}], got "
+        k = self.weight.shape[1]
+        if x.dim() < 1 or x.shape[-1] != k:
+            per_rank = " per rank" if self.parallel_mode == "row" else ""
+            raise ValueError(f"Linear expects input [..., in_features={k}{per_rank}], got "
                              f"shape {tuple(x.shape)}")
+        if self.parallel_mode == "row" and self.sequence_parallel:
+            _parallel.check_divisible(x.shape[0], self.tp_group, "sequence length (dim 0)",
+                                      "pad the sequence")
         if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"Linear input must be float32, bfloat16 or float16, got {x.dtype}")
         if x.device != self.weight.device:
@@ -173,13 +254,17 @@ class Linear(nn.Module):
                 raise ValueError("save_original_input=True cannot be used with delayed scaling "
                                  "(the scale moves between forward and backward); use "
                                  "tpfp8.CurrentScaling() or save_original_input=False")
-            if self.in_features % 16 or self.out_features % 16:
-                raise ValueError(f"FP8 Linear needs in_features and out_features to be "
-                                 f"multiples of 16, got {self.in_features} and "
-                                 f"{self.out_features}; pad the layer or run it outside "
-                                 f"fp8_autocast")
+            n, k = self.weight.shape
+            if n % 16 or k % 16:
+                raise ValueError(f"FP8 Linear needs in_features and out_features (per rank) to "
+                                 f"be multiples of 16, got {k} and {n}; pad the layer or "
+                                 f"run it outside fp8_autocast")
+            amax_group = _parallel.amax_group_for(self.tp_group, self.sequence_parallel,
+                                                  frame["amax_group"])
             opts.fp8 = True
             opts.input, opts.weight, opts.grad = self._quantizers(recipe, x.device)
+            if isinstance(recipe, DelayedScaling):
+                self._fwd_meta.amax_group = self._bwd_meta.amax_group = amax_group
             opts.save_original_input = self.save_original_input
             mode, cache = self._weight_cache_buffers(is_first_microbatch)
             opts.weight_cache = mode
@@ -192,6 +277,10 @@ class Linear(nn.Module):
             opts.fuse_wgrad_accumulation = True
             opts.main_grad = self.weight.main_grad
             opts.main_grad_overwrite = bool(is_first_microbatch)
+        if self.parallel_mode:
+            opts.parallel_mode = _PARALLEL[self.parallel_mode]
+            opts.sequence_parallel = self.sequence_parallel
+            opts.tp_group = self.tp_group
         y = _C.linear(x, weight, bias, opts)
         if frame is not None and isinstance(frame["recipe"], DelayedScaling):
             self._schedule_updates(y, is_first_microbatch)
