@@ -57,6 +57,14 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("sequence_parallel", &LinearOptions::sequence_parallel)
       .def_readwrite("tp_group", &LinearOptions::tp_group)
       .def_readwrite("quantize_after_gather", &LinearOptions::quantize_after_gather);
+  m.def(
+      "all_gather_fp8",
+      [](const at::Tensor& local, const QuantizerSpec& spec, const ProcessGroupPtr& group) {
+        const Fp8Tensor q = all_gather_fp8(local, spec, group);
+        return std::make_tuple(q.rowwise, q.scale_inv);
+      },
+      py::arg("local"), py::arg("spec"), py::arg("group"), py::call_guard<py::gil_scoped_release>(),
+      "Sequence-parallel FP8 gather: (gathered row-wise uint8 codes, shared scale_inv)");
   // Without the GIL: forward may wait on a collective while a communication thread needs the
   // GIL to free an earlier Python-owned tensor (a deadlock seen with gloo otherwise).
   m.def("linear", &linear, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("options"),

@@ -242,14 +242,14 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
       s.qx = {at::Tensor(), q.columnwise, q.scale_inv, q.format};
       return rowwise(q);
     }
-    const QuantizerSpec spec = gather ? with_group_amax(o.input, o.tp_group) : o.input;
-    Fp8Tensor q = quantize(x2, spec, true, need_wgrad && !o.save_original_input && !gather);
     if (gather) {
-      s.qx = {q.rowwise, at::Tensor(), q.scale_inv, q.format};  // re-gathered in backward
-      q.rowwise = all_gather_rows(q.rowwise, *o.tp_group);    // FP8 bytes: half of bf16's
-    } else {
-      s.qx = {at::Tensor(), q.columnwise, q.scale_inv, q.format};
+      Fp8Tensor local;
+      const Fp8Tensor q = all_gather_fp8(x2, o.input, o.tp_group, &local);
+      s.qx = {local.rowwise, at::Tensor(), q.scale_inv, q.format};  // re-gathered in backward
+      return rowwise(q);
     }
+    const Fp8Tensor q = quantize(x2, o.input, true, need_wgrad && !o.save_original_input);
+    s.qx = {at::Tensor(), q.columnwise, q.scale_inv, q.format};
     return rowwise(q);
   }
 
@@ -265,8 +265,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
       const Fp8Tensor q = quantize(dy, o.grad, need_dgrad, need_wgrad);
       return {rowwise(q), need_wgrad ? columnwise(q) : Operand{}};
     }
-    Fp8Tensor q = quantize(dy, with_group_amax(o.grad, o.tp_group), true, false);
-    q.rowwise = all_gather_rows(q.rowwise, *o.tp_group);
+    Fp8Tensor q = all_gather_fp8(dy, o.grad, o.tp_group);
     if (need_wgrad) {
       q.columnwise = at::empty({q.rowwise.size(1), q.rowwise.size(0)}, q.rowwise.options());
       transpose_fp8(q.rowwise, q.columnwise);
@@ -294,6 +293,14 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
 };
 
 }  // namespace
+
+Fp8Tensor all_gather_fp8(const at::Tensor& local, const QuantizerSpec& spec,
+                         const ProcessGroupPtr& group, Fp8Tensor* local_out) {
+  Fp8Tensor q = quantize(local.contiguous(), with_group_amax(spec, group), true, false);
+  if (local_out) *local_out = q;
+  q.rowwise = all_gather_rows(q.rowwise, *group);  // FP8 bytes: half of bf16's traffic
+  return q;
+}
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
                   const LinearOptions& options) {

@@ -54,6 +54,13 @@ struct LinearOptions {
   bool quantize_after_gather = false;
 };
 
+// Sequence-parallel gather in FP8: quantize this rank's rows [m, K] (current scaling reduces
+// the amax over the group first, so the scale is the whole tensor's on every rank), then
+// all-gather the row-wise bytes into [world * m, K] sharing one scale_inv. `local_out`, if
+// given, receives this rank's quantized rows.
+Fp8Tensor all_gather_fp8(const at::Tensor& local, const QuantizerSpec& spec,
+                         const ProcessGroupPtr& group, Fp8Tensor* local_out = nullptr);
+
 // y = x W^T (+ bias) with autograd. x: [..., K] fp32/bf16/fp16; weight [N, K]; bias [N].
 // Every check runs before any FP8 state (amax history, caches) is touched.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
