@@ -29,11 +29,10 @@ at::Tensor all_gather_rows(const at::Tensor& local, c10d::ProcessGroup& group, W
   return out;
 }
 
-at::Tensor reduce_scatter_rows(const at::Tensor& full, c10d::ProcessGroup& group,
-                               WorkPtr* work) {
+at::Tensor reduce_scatter_rows(const at::Tensor& full, c10d::ProcessGroup& group, WorkPtr* work) {
   const int64_t world = group.getSize();
-  TORCH_CHECK(full.size(0) % world == 0, "reduce-scatter of ", full.size(0),
-              " rows over ", world, " ranks: the rows must divide evenly");
+  TORCH_CHECK(full.size(0) % world == 0, "reduce-scatter of ", full.size(0), " rows over ", world,
+              " ranks: the rows must divide evenly");
   std::vector<int64_t> sizes = full.sizes().vec();
   sizes[0] /= world;
   at::Tensor out = at::empty(sizes, full.options());

@@ -4,8 +4,9 @@
 // (how backward overlaps a gather or a reduction with a GEMM).
 #pragma once
 
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/types.h>
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 namespace tpfp8 {
 

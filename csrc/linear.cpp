@@ -56,9 +56,7 @@ at::Tensor run_gemm(const Operand& a, const Operand& b, at::Tensor out, const Op
 // first, so every rank computes the scale of the whole tensor.
 QuantizerSpec with_group_amax(QuantizerSpec spec, const ProcessGroupPtr& group) {
   if (spec.scaling == Scaling::kCurrent) {
-    spec.reduce_amax = [group](at::Tensor& amax) {
-      all_reduce(amax, *group, c10d::ReduceOp::MAX);
-    };
+    spec.reduce_amax = [group](at::Tensor& amax) { all_reduce(amax, *group, c10d::ReduceOp::MAX); };
   }
   return spec;
 }
@@ -184,9 +182,11 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     // 1. Column-parallel SP: start re-gathering the input for wgrad; it overlaps dgrad.
     WorkPtr x_work;
     at::Tensor x_gathered;
-    if (need_wgrad && gathers_input(o)) {
-      x_gathered = all_gather_rows(saves_hp_input(o) ? saved[0] : s->qx.rowwise, *o.tp_group,
-                                   &x_work);
+    // (Quantized after the gather, the input's column-wise data is whole already.)
+    const bool regather = gathers_input(o) && (saves_hp_input(o) || s->qx.rowwise.defined());
+    if (need_wgrad && regather) {
+      x_gathered =
+          all_gather_rows(saves_hp_input(o) ? saved[0] : s->qx.rowwise, *o.tp_group, &x_work);
     }
     // 2. The gradient: quantized, and gathered along rows under row-parallel SP.
     const auto [dy_row, dy_col] = prepare_grad(dy, o, need_dgrad, need_wgrad);
@@ -210,7 +210,8 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
       wait(x_work);
       const Operand x_col = input_for_wgrad(saved[0], x_gathered, *s);
       const bool accumulate = o.fuse_wgrad_accumulation && !o.main_grad_overwrite;
-      at::Tensor out = o.fuse_wgrad_accumulation ? o.main_grad : at::empty({n, k}, weight.options());
+      at::Tensor out =
+          o.fuse_wgrad_accumulation ? o.main_grad : at::empty({n, k}, weight.options());
       run_gemm(dy_col, x_col, out, std::nullopt, false, accumulate);
       if (!o.fuse_wgrad_accumulation) dw = out;
     }
@@ -227,9 +228,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
 
  private:
   // Whether backward keeps the high-precision input (re-quantized or used as it is there).
-  static bool saves_hp_input(const LinearOptions& o) {
-    return !o.fp8 || o.save_original_input;
-  }
+  static bool saves_hp_input(const LinearOptions& o) { return !o.fp8 || o.save_original_input; }
 
   static Operand prepare_input(const at::Tensor& x2, const LinearOptions& o, bool need_wgrad,
                                Saved& s) {

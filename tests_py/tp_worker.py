@@ -142,6 +142,11 @@ def run_config(mode, sp, recipe, save_orig, bias, group, dtype=torch.float32, st
     torch.manual_seed(1)
     layer = tpfp8.Linear(K, N, parallel_mode=mode, tp_group=group, sequence_parallel=sp, **kw)
     exact_scales = recipe is None or (isinstance(recipe, tpfp8.DelayedScaling) and sp)
+    full = layer.full_state_dict()  # the shards are slices of the single-device layer
+    global checks
+    checks += 1
+    assert torch.equal(full["weight"], single.weight), "TP init differs from single-device"
+    assert not bias or torch.equal(full["bias"], single.bias), "TP bias init differs"
     for step in range(steps):
         torch.manual_seed(100 + step)
         full_x = torch.randn(S, B, K, device=DEVICE).to(dtype)
@@ -231,6 +236,30 @@ def check_errors(group):
             raise AssertionError(f"no error for a case expecting '{message}'")
 
 
+def check_quantize_after_gather(group):
+    """The debug quantizer's path (gather high precision, quantize the gathered tensor) gives
+    the fast path's results bit for bit under current scaling, save_original_input or not."""
+    global checks
+    for save_orig in (False, True):
+        results = []
+        for after_gather in (False, True):
+            torch.manual_seed(3)
+            layer = tpfp8.Linear(K, N, parallel_mode="column", tp_group=group,
+                                 sequence_parallel=True, save_original_input=save_orig,
+                                 device=DEVICE)
+            layer._quantize_after_gather = after_gather
+            torch.manual_seed(4)
+            full_x = torch.randn(S, B, K, device=DEVICE)
+            x = P.split_sequence(full_x, group).requires_grad_(True)
+            with tpfp8.fp8_autocast(recipe=tpfp8.CurrentScaling()):
+                y = layer(x)
+            y.backward(torch.ones_like(y))
+            results.append((y.detach(), x.grad, layer.weight.grad))
+        for a, b in zip(*results):
+            checks += 1
+            assert torch.equal(a, b), f"quantize-after-gather differs (save={save_orig})"
+
+
 def main():
     backend = os.environ.get("TP_BACKEND", "gloo")
     if DEVICE == "cuda":
@@ -239,6 +268,7 @@ def main():
     group = dist.new_group(list(range(dist.get_world_size())))
     check_errors(group)
     check_fp8_gather(group)
+    check_quantize_after_gather(group)
     recipes = [None, tpfp8.DelayedScaling(amax_history_len=4), tpfp8.CurrentScaling()]
     for mode, sp, recipe, save_orig, bias in itertools.product(
             ("column", "row"), (False, True), recipes, (False, True), (True, False)):

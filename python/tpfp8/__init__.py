@@ -10,12 +10,13 @@ import torch  # noqa: F401  (loads libtorch, which _C links against)
 from . import _C  # noqa: F401,E402  (registers the native ops in torch.ops.tpfp8)
 from .formats import Fp8Format
 from . import ops
+from . import parallel
 from .autocast import fp8_autocast
 from .module import Linear, swap_linear
 from .recipe import CurrentScaling, DelayedScaling
 
 __all__ = ["CurrentScaling", "DelayedScaling", "Fp8Format", "Linear", "fp8_autocast", "ops",
-           "swap_linear", "with_cuda"]
+           "parallel", "swap_linear", "with_cuda"]
 __version__ = "0.1.0"
 
 

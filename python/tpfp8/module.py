@@ -81,6 +81,9 @@ class Linear(nn.Module):
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.return_bias = return_bias
         self.name = name
+        # Column-parallel SP: gather the high-precision input and quantize the gathered tensor
+        # (the debug quantizer's path, shared/seed) instead of gathering FP8 bytes.
+        self._quantize_after_gather = False
         self._fwd_meta = None  # delayed scaling state, made on the first FP8 forward
         self._bwd_meta = None
         self._weight_cache = None
@@ -281,6 +284,7 @@ class Linear(nn.Module):
             opts.parallel_mode = _PARALLEL[self.parallel_mode]
             opts.sequence_parallel = self.sequence_parallel
             opts.tp_group = self.tp_group
+            opts.quantize_after_gather = self._quantize_after_gather
         y = _C.linear(x, weight, bias, opts)
         if frame is not None and isinstance(frame["recipe"], DelayedScaling):
             self._schedule_updates(y, is_first_microbatch)
