@@ -218,8 +218,17 @@ def check_errors(group):
         (lambda: tpfp8.Linear(K, N, parallel_mode="diagonal", tp_group=group), "parallel_mode"),
         (lambda: tpfp8.Linear(K, N, sequence_parallel=True), "sequence_parallel"),
     ]
-    if tp > 1:  # sizes a group of one divides
+    if tp > 1:  # sizes a group of one divides; a group that misses ranks
+        first_only = dist.new_group([0])  # every rank takes part in making it
+
+        def amax_group_too_small():
+            layer = tpfp8.Linear(K, N, parallel_mode="column", tp_group=group,
+                                 sequence_parallel=True, device=DEVICE)
+            with tpfp8.fp8_autocast(amax_group=first_only):
+                layer(torch.randn(S // tp, B, K, device=DEVICE))
+
         cases += [
+            (amax_group_too_small, "must contain the layer's tp_group"),
             (lambda: tpfp8.Linear(K, N + 1, parallel_mode="column", tp_group=group), "divisible"),
             (lambda: tpfp8.Linear(K + 1, N, parallel_mode="row", tp_group=group), "divisible"),
             (lambda: tpfp8.Linear(K, N, parallel_mode="row", tp_group=group,
