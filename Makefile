@@ -46,7 +46,9 @@ test-py: build-python
 
 test: test-cpp test-py
 
+# The benchmarks draw their plots with matplotlib.
 demo: build-python
+	@$(PYTHON) -c "import matplotlib" 2>/dev/null || $(PYTHON) -m pip install -q matplotlib
 	$(PYTHON) -m tpfp8.selfcheck
 	$(PYTHON) bench/cast.py
 
