@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Builds tpfp8 on a GPU machine, runs the GPU tests and the benchmarks, writes logs to $OUT.
 #   OUT=/tmp/out bash bench/device_run.sh [cast|gemm|tests ...]   (default: all)
+# GoogleTest: the GPU machine has no libgtest; copy the sources there first, e.g. from this
+# repository's machine: `cp -r /usr/src/googletest .deps/` (ignored by git; carry `.deps`).
 # On the lent H200 the image's default compiler (/opt/gcc) breaks C++ exceptions thrown from the
 # extension (any TORCH_CHECK segfaults); the system g++ works, so it is pinned here.
 set -uo pipefail
