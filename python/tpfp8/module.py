@@ -238,48 +238,14 @@ class Linear(nn.Module):
         """
         self._check(x)
         frame = _autocast.current()
-        weight, bias = self.weight, self.bias
-        if torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
-            x = x.to(dtype)
-            if frame is None:
-                weight = weight.to(dtype)
-            bias = bias.to(dtype) if bias is not None else None
-        elif frame is None and weight.dtype != x.dtype:
-            raise ValueError(f"Linear input is {x.dtype} but the weight is {weight.dtype}; "
-                             f"convert one of them or use torch.autocast")
+        x, weight, bias = self._compute_dtype(x, in_fp8=frame is not None)
+        bias_out = None
         if self.return_bias:
             bias_out, bias = bias, None
         opts = _C.LinearOptions()
         if frame is not None:
-            recipe = frame["recipe"]
-            if self.save_original_input and isinstance(recipe, DelayedScaling):
-                raise ValueError("save_original_input=True cannot be used with delayed scaling "
-                                 "(the scale moves between forward and backward); use "
-                                 "tpfp8.CurrentScaling() or save_original_input=False")
-            n, k = self.weight.shape
-            if n % 16 or k % 16:
-                raise ValueError(f"FP8 Linear needs in_features and out_features (per rank) to "
-                                 f"be multiples of 16, got {k} and {n}; pad the layer or "
-                                 f"run it outside fp8_autocast")
-            amax_group = _parallel.amax_group_for(self.tp_group, self.sequence_parallel,
-                                                  frame["amax_group"])
-            opts.fp8 = True
-            opts.input, opts.weight, opts.grad = self._quantizers(recipe, x.device)
-            if isinstance(recipe, DelayedScaling):
-                self._fwd_meta.amax_group = self._bwd_meta.amax_group = amax_group
-            opts.save_original_input = self.save_original_input
-            mode, cache = self._weight_cache_buffers(is_first_microbatch)
-            opts.weight_cache = mode
-            if cache is not None:
-                (opts.weight_cache_rowwise, opts.weight_cache_columnwise,
-                 opts.weight_cache_scale_inv) = cache
-        if self.fuse_wgrad_accumulation and self.weight.requires_grad:
-            if getattr(self.weight, "main_grad", None) is None:
-                self.weight.main_grad = torch.zeros_like(self.weight, dtype=torch.float32)
-            opts.fuse_wgrad_accumulation = True
-            opts.main_grad = self.weight.main_grad
-            opts.main_grad_overwrite = bool(is_first_microbatch)
+            self._fp8_options(opts, frame, x.device, is_first_microbatch)
+        self._wgrad_options(opts, is_first_microbatch)
         if self.parallel_mode:
             opts.parallel_mode = _PARALLEL[self.parallel_mode]
             opts.sequence_parallel = self.sequence_parallel
@@ -289,6 +255,53 @@ class Linear(nn.Module):
         if frame is not None and isinstance(frame["recipe"], DelayedScaling):
             self._schedule_updates(y, is_first_microbatch)
         return (y, bias_out) if self.return_bias else y
+
+    def _compute_dtype(self, x, in_fp8: bool):
+        """(x, weight, bias) in the dtype the GEMMs run in: torch.autocast's if enabled (the
+        FP8 path casts the fp32 master weight itself), else the input's."""
+        weight, bias = self.weight, self.bias
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x = x.to(dtype)
+            weight = weight if in_fp8 else weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+        elif not in_fp8 and weight.dtype != x.dtype:
+            raise ValueError(f"Linear input is {x.dtype} but the weight is {weight.dtype}; "
+                             f"convert one of them or use torch.autocast")
+        return x, weight, bias
+
+    def _fp8_options(self, opts, frame, device, is_first_microbatch) -> None:
+        """Quantizers, recipe checks and the weight cache; raises before any state changes."""
+        recipe = frame["recipe"]
+        if self.save_original_input and isinstance(recipe, DelayedScaling):
+            raise ValueError("save_original_input=True cannot be used with delayed scaling "
+                             "(the scale moves between forward and backward); use "
+                             "tpfp8.CurrentScaling() or save_original_input=False")
+        n, k = self.weight.shape
+        if n % 16 or k % 16:
+            raise ValueError(f"FP8 Linear needs in_features and out_features (per rank) to "
+                             f"be multiples of 16, got {k} and {n}; pad the layer or "
+                             f"run it outside fp8_autocast")
+        amax_group = _parallel.amax_group_for(self.tp_group, self.sequence_parallel,
+                                              frame["amax_group"])
+        mode, cache = self._weight_cache_buffers(is_first_microbatch)
+        opts.fp8 = True
+        opts.input, opts.weight, opts.grad = self._quantizers(recipe, device)
+        if isinstance(recipe, DelayedScaling):
+            self._fwd_meta.amax_group = self._bwd_meta.amax_group = amax_group
+        opts.save_original_input = self.save_original_input
+        opts.weight_cache = mode
+        if cache is not None:
+            (opts.weight_cache_rowwise, opts.weight_cache_columnwise,
+             opts.weight_cache_scale_inv) = cache
+
+    def _wgrad_options(self, opts, is_first_microbatch) -> None:
+        if self.fuse_wgrad_accumulation and self.weight.requires_grad:
+            if getattr(self.weight, "main_grad", None) is None:
+                self.weight.main_grad = torch.zeros_like(self.weight, dtype=torch.float32)
+            opts.fuse_wgrad_accumulation = True
+            opts.main_grad = self.weight.main_grad
+            opts.main_grad_overwrite = bool(is_first_microbatch)
 
     def _schedule_updates(self, y: torch.Tensor, is_first_microbatch) -> None:
         if is_first_microbatch is not False:  # a reused weight cache recorded no new amax
