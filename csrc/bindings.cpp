@@ -39,6 +39,16 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("amax", &QuantizerSpec::amax)
       .def_readwrite("epsilon", &QuantizerSpec::epsilon)
       .def_readwrite("reduce_amax", &QuantizerSpec::reduce_amax);
+  py::class_<DebugOptions>(m, "DebugOptions", "Precision-debugging choices of one Linear call")
+      .def(py::init<>())
+      .def_readwrite("active", &DebugOptions::active)
+      .def_readwrite("hp_fprop", &DebugOptions::hp_fprop)
+      .def_readwrite("hp_dgrad", &DebugOptions::hp_dgrad)
+      .def_readwrite("hp_wgrad", &DebugOptions::hp_wgrad)
+      .def_readwrite("fake_activation", &DebugOptions::fake_activation)
+      .def_readwrite("fake_weight", &DebugOptions::fake_weight)
+      .def_readwrite("fake_gradient", &DebugOptions::fake_gradient)
+      .def_readwrite("log", &DebugOptions::log);
   py::class_<LinearOptions>(m, "LinearOptions", "Per-call settings of tpfp8._C.linear")
       .def(py::init<>())
       .def_readwrite("fp8", &LinearOptions::fp8)
@@ -56,7 +66,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("parallel_mode", &LinearOptions::parallel_mode)
       .def_readwrite("sequence_parallel", &LinearOptions::sequence_parallel)
       .def_readwrite("tp_group", &LinearOptions::tp_group)
-      .def_readwrite("quantize_after_gather", &LinearOptions::quantize_after_gather);
+      .def_readwrite("quantize_after_gather", &LinearOptions::quantize_after_gather)
+      .def_readwrite("debug", &LinearOptions::debug);
   m.def(
       "all_gather_fp8",
       [](const at::Tensor& local, const QuantizerSpec& spec, const ProcessGroupPtr& group) {

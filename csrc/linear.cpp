@@ -103,6 +103,57 @@ Fp8Tensor weight_fp8(const at::Tensor& weight, const LinearOptions& o, bool colu
   return quantize(weight.contiguous(), o.weight, true, columnwise || fill, fill ? &cache : nullptr);
 }
 
+// A tensor made ready for its GEMMs: its FP8 form and, where kept, the whole high-precision
+// tensor (high-precision runs, re-quantization, debugging).
+struct Prepared {
+  at::Tensor hp;
+  Fp8Tensor q;
+};
+
+// One operand of a GEMM: the tensor, and whether the GEMM reads it column-wise (contracting
+// over its rows) -- as FP8 codes, or in high precision when the GEMM runs there (debug).
+struct Use {
+  const char* tensor;  // "activation", "weight", "gradient"
+  const Prepared* t;
+  bool columnwise;
+  int64_t fake;  // fake_quant format or -1
+};
+
+at::Tensor fake_quantize(const at::Tensor& hp, int64_t format) {
+  QuantizerSpec spec;
+  spec.scaling = Scaling::kCurrent;
+  spec.format = static_cast<Fp8Format>(format);
+  const Fp8Tensor q = quantize(hp.contiguous(), spec, true, false);
+  at::Tensor out = at::empty(hp.sizes(), hp.options().dtype(at::kFloat));
+  dequantize(q.rowwise, q.scale_inv, format, out);
+  return out;
+}
+
+// The two operands of `gemm`, with the debug options applied and reported.
+std::pair<Operand, Operand> operands(const char* gemm, const Use& a, const Use& b, bool fp8,
+                                     bool hp_gemm, const DebugOptions& d,
+                                     at::ScalarType compute_dtype) {
+  const bool high = !fp8 || hp_gemm || a.fake >= 0 || b.fake >= 0;
+  auto one = [&](const Use& u) {
+    if (high) {
+      const at::Tensor used =
+          (u.fake >= 0 ? fake_quantize(u.t->hp, u.fake) : u.t->hp).to(compute_dtype).contiguous();
+      if (d.log) d.log(gemm, u.tensor, used.to(at::kFloat), u.t->hp, at::Tensor(), u.fake);
+      return high_precision(used, u.columnwise);
+    }
+    const Fp8Tensor& q = u.t->q;
+    if (d.log) {
+      const at::Tensor& codes = u.columnwise ? q.columnwise : q.rowwise;
+      at::Tensor used = at::empty(codes.sizes(), codes.options().dtype(at::kFloat));
+      dequantize(codes, q.scale_inv, static_cast<int64_t>(q.format), used);
+      d.log(gemm, u.tensor, u.columnwise ? used.t() : used, u.t->hp, q.scale_inv,
+            static_cast<int64_t>(q.format));
+    }
+    return u.columnwise ? columnwise(q) : rowwise(q);
+  };
+  return {one(a), one(b)};
+}
+
 // What backward needs beyond the tensors saved through save_for_backward.
 struct Saved : torch::CustomClassHolder {
   LinearOptions o;
@@ -119,6 +170,14 @@ bool gathers_input(const LinearOptions& o) {
 }
 bool gathers_grad(const LinearOptions& o) {
   return o.parallel_mode == ParallelMode::kRow && o.sequence_parallel;
+}
+// Whether backward keeps the high-precision input (re-quantized, used as it is, or reported).
+bool saves_hp_input(const LinearOptions& o) {
+  return !o.fp8 || o.save_original_input || o.debug.active;
+}
+// Debugging gathers and quantizes whole tensors: statistics and usages are of what the GEMMs see.
+bool quantizes_after_gather(const LinearOptions& o) {
+  return o.quantize_after_gather || o.debug.active;
 }
 
 struct LinearFunction : torch::autograd::Function<LinearFunction> {
@@ -137,22 +196,24 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     const bool need_dgrad = grad_enabled && x.requires_grad();
 
     // 1. The input of fprop: quantized, and gathered along rows under column-parallel SP.
-    const Operand x_row = prepare_input(x2, o, need_wgrad, *s);
-    // 2. The weight: FP8 row-wise for fprop (+ column-wise for dgrad), or as it is.
-    Operand w_row = high_precision(weight);
+    const Prepared in = prepare_input(x2, o, need_wgrad, *s);
+    // 2. The weight: FP8 row-wise for fprop (+ column-wise for dgrad).
+    Prepared w{weight, {}};
     if (o.fp8) {
-      const Fp8Tensor qw = weight_fp8(weight, o, need_dgrad);
-      s->qw = {at::Tensor(), qw.columnwise, qw.scale_inv, qw.format};
-      w_row = rowwise(qw);
+      w.q = weight_fp8(weight, o, need_dgrad);
+      s->qw = {at::Tensor(), w.q.columnwise, w.q.scale_inv, w.q.format};
     }
     // 3. fprop. The bias is fused in the epilogue except where an FP8 GEMM writes fp32 (its
     //    epilogue takes a 16-bit bias) and under row parallelism (it is added once, after the
     //    reduction).
-    at::Tensor y = at::empty({x_row.data.size(0), n}, x.options());
+    const DebugOptions& d = o.debug;
+    const auto [x_op, w_op] =
+        operands("fprop", {"activation", &in, false, d.fake_activation},
+                 {"weight", &w, false, d.fake_weight}, o.fp8, d.hp_fprop, d, s->x_dtype);
+    at::Tensor y = at::empty({x_op.data.size(0), n}, x.options());
     const bool row = o.parallel_mode == ParallelMode::kRow;
-    const bool fuse_bias = bias && !row && !(o.fp8 && y.scalar_type() == at::kFloat);
-    run_gemm(x_row, w_row, y, fuse_bias ? OptTensor(bias->to(y.scalar_type())) : std::nullopt,
-             o.fp8);
+    const bool fuse_bias = bias && !row && !(x_op.scale_inv && y.scalar_type() == at::kFloat);
+    run_gemm(x_op, w_op, y, fuse_bias ? OptTensor(bias->to(y.scalar_type())) : std::nullopt, o.fp8);
     // 4. Row parallel: sum the partial outputs over the group.
     if (row && o.sequence_parallel) {
       y = reduce_scatter_rows(y, *o.tp_group);
@@ -172,6 +233,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = c10::static_intrusive_pointer_cast<Saved>(ctx->saved_data["state"].toCapsule());
     const LinearOptions& o = s->o;
+    const DebugOptions& d = o.debug;
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& weight = saved[1];
     const int64_t n = weight.size(0), k = weight.size(1);
@@ -180,23 +242,25 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     const bool need_wgrad = ctx->needs_input_grad(1) || o.fuse_wgrad_accumulation;
 
     // 1. Column-parallel SP: start re-gathering the input for wgrad; it overlaps dgrad.
+    //    (Quantized after the gather, its column-wise data is whole already.)
     WorkPtr x_work;
     at::Tensor x_gathered;
-    // (Quantized after the gather, the input's column-wise data is whole already.)
     const bool regather = gathers_input(o) && (saves_hp_input(o) || s->qx.rowwise.defined());
     if (need_wgrad && regather) {
       x_gathered =
           all_gather_rows(saves_hp_input(o) ? saved[0] : s->qx.rowwise, *o.tp_group, &x_work);
     }
     // 2. The gradient: quantized, and gathered along rows under row-parallel SP.
-    const auto [dy_row, dy_col] = prepare_grad(dy, o, need_dgrad, need_wgrad);
+    const Prepared g = prepare_grad(dy, o, need_dgrad, need_wgrad);
     // 3. dgrad, then (column parallel) its reduction, in flight during wgrad.
     at::Tensor dx;
     WorkPtr dx_work;
     if (need_dgrad) {
-      const Operand w_col = o.fp8 ? columnwise(s->qw) : high_precision(weight, true);
-      dx = run_gemm(dy_row, w_col,
-                    at::empty({dy_row.data.size(0), k}, dy.options().dtype(s->x_dtype)),
+      const Prepared w{weight, s->qw};
+      const auto [dy_op, w_op] =
+          operands("dgrad", {"gradient", &g, false, d.fake_gradient},
+                   {"weight", &w, true, d.fake_weight}, o.fp8, d.hp_dgrad, d, s->x_dtype);
+      dx = run_gemm(dy_op, w_op, at::empty({dy_op.data.size(0), k}, dy.options().dtype(s->x_dtype)),
                     std::nullopt, false);
       if (o.parallel_mode == ParallelMode::kColumn && o.sequence_parallel) {
         dx = reduce_scatter_rows(dx, *o.tp_group, &dx_work);
@@ -208,11 +272,14 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     at::Tensor dw;
     if (need_wgrad) {
       wait(x_work);
-      const Operand x_col = input_for_wgrad(saved[0], x_gathered, *s);
+      const Prepared in = input_for_wgrad(saved[0], x_gathered, *s);
+      const auto [dy_op, x_op] =
+          operands("wgrad", {"gradient", &g, true, d.fake_gradient},
+                   {"activation", &in, true, d.fake_activation}, o.fp8, d.hp_wgrad, d, s->x_dtype);
       const bool accumulate = o.fuse_wgrad_accumulation && !o.main_grad_overwrite;
       at::Tensor out =
           o.fuse_wgrad_accumulation ? o.main_grad : at::empty({n, k}, weight.options());
-      run_gemm(dy_col, x_col, out, std::nullopt, false, accumulate);
+      run_gemm(dy_op, x_op, out, std::nullopt, false, accumulate);
       if (!o.fuse_wgrad_accumulation) dw = out;
     }
     wait(dx_work);
@@ -227,67 +294,63 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
   }
 
  private:
-  // Whether backward keeps the high-precision input (re-quantized or used as it is there).
-  static bool saves_hp_input(const LinearOptions& o) { return !o.fp8 || o.save_original_input; }
-
-  static Operand prepare_input(const at::Tensor& x2, const LinearOptions& o, bool need_wgrad,
-                               Saved& s) {
+  static Prepared prepare_input(const at::Tensor& x2, const LinearOptions& o, bool need_wgrad,
+                                Saved& s) {
     const bool gather = gathers_input(o);
-    if (!o.fp8) return high_precision(gather ? all_gather_rows(x2, *o.tp_group) : x2);
-    if (gather && o.quantize_after_gather) {
+    const bool columnwise = need_wgrad && !o.save_original_input;
+    if (!o.fp8) return {gather ? all_gather_rows(x2, *o.tp_group) : x2, {}};
+    if (gather && quantizes_after_gather(o)) {
       // Quantize what the GEMMs see: the gathered tensor, whose amax is the global one.
-      const Fp8Tensor q = quantize(all_gather_rows(x2, *o.tp_group), o.input, true,
-                                   need_wgrad && !o.save_original_input);
+      const at::Tensor total = all_gather_rows(x2, *o.tp_group);
+      const Fp8Tensor q = quantize(total, o.input, true, columnwise);
       s.qx = {at::Tensor(), q.columnwise, q.scale_inv, q.format};
-      return rowwise(q);
+      return {total, q};
     }
     if (gather) {
       Fp8Tensor local;
       const Fp8Tensor q = all_gather_fp8(x2, o.input, o.tp_group, &local);
       s.qx = {local.rowwise, at::Tensor(), q.scale_inv, q.format};  // re-gathered in backward
-      return rowwise(q);
+      return {at::Tensor(), q};
     }
-    const Fp8Tensor q = quantize(x2, o.input, true, need_wgrad && !o.save_original_input);
+    const Fp8Tensor q = quantize(x2, o.input, true, columnwise);
     s.qx = {at::Tensor(), q.columnwise, q.scale_inv, q.format};
-    return rowwise(q);
+    return {x2, q};
   }
 
-  // (operand for dgrad, operand for wgrad) from dy.
-  static std::pair<Operand, Operand> prepare_grad(const at::Tensor& dy, const LinearOptions& o,
-                                                  bool need_dgrad, bool need_wgrad) {
+  static Prepared prepare_grad(const at::Tensor& dy, const LinearOptions& o, bool need_dgrad,
+                               bool need_wgrad) {
     const bool gather = gathers_grad(o);
-    if (!o.fp8) {
+    if (!o.fp8) return {gather ? all_gather_rows(dy, *o.tp_group) : dy, {}};
+    if (!gather || quantizes_after_gather(o)) {
+      // Whole (replicated, this rank's own, or gathered first): its local amax is the global.
       const at::Tensor total = gather ? all_gather_rows(dy, *o.tp_group) : dy;
-      return {high_precision(total), high_precision(total, true)};
-    }
-    if (!gather) {
-      const Fp8Tensor q = quantize(dy, o.grad, need_dgrad, need_wgrad);
-      return {rowwise(q), need_wgrad ? columnwise(q) : Operand{}};
+      return {total, quantize(total, o.grad, need_dgrad, need_wgrad)};
     }
     Fp8Tensor q = all_gather_fp8(dy, o.grad, o.tp_group);
     if (need_wgrad) {
       q.columnwise = at::empty({q.rowwise.size(1), q.rowwise.size(0)}, q.rowwise.options());
       transpose_fp8(q.rowwise, q.columnwise);
     }
-    return {rowwise(q), need_wgrad ? columnwise(q) : Operand{}};
+    return {at::Tensor(), q};
   }
 
-  // The input for wgrad, column-wise: saved, re-gathered or re-quantized.
-  static Operand input_for_wgrad(const at::Tensor& x_saved, const at::Tensor& x_gathered,
-                                 const Saved& s) {
+  // The input for wgrad: saved, re-gathered or re-quantized.
+  static Prepared input_for_wgrad(const at::Tensor& x_saved, const at::Tensor& x_gathered,
+                                  const Saved& s) {
     const LinearOptions& o = s.o;
-    const at::Tensor& hp = x_gathered.defined() ? x_gathered : x_saved;
-    if (!o.fp8) return high_precision(hp, true);
-    if (o.save_original_input) {
+    if (saves_hp_input(o)) {
+      const at::Tensor hp = x_gathered.defined() ? x_gathered : x_saved;
+      if (!o.fp8) return {hp, {}};
       // The whole tensor is here (gathered, replicated or this rank's own): its local amax is
       // the one forward used, so the re-quantized bytes equal forward's.
-      return columnwise(quantize(hp, o.input, false, true));
+      if (o.save_original_input) return {hp, quantize(hp, o.input, false, true)};
+      return {hp, s.qx};  // debugging: forward's column-wise data, and the values for reports
     }
-    if (!x_gathered.defined()) return columnwise(s.qx);
+    if (!x_gathered.defined()) return {at::Tensor(), s.qx};
     Fp8Tensor q = s.qx;
     q.columnwise = at::empty({x_gathered.size(1), x_gathered.size(0)}, x_gathered.options());
     transpose_fp8(x_gathered, q.columnwise);
-    return columnwise(q);
+    return {at::Tensor(), q};
   }
 };
 

@@ -15,7 +15,9 @@
 
 #include <torch/types.h>
 
+#include <functional>
 #include <optional>
+#include <string>
 
 #include "comm.h"
 #include "quantizer.h"
@@ -32,6 +34,23 @@ enum class WeightCache : int { kNone = 0, kFill = 1, kReuse = 2 };
 //           all-reduced, the full bias added after; with sequence parallelism dy arrives
 //           split along dim 0 and is all-gathered (FP8) for both backward GEMMs.
 enum class ParallelMode : int { kNone = 0, kColumn = 1, kRow = 2 };
+
+// Precision debugging (tpfp8.debug): per GEMM, run it in high precision, feed it
+// fake-quantized tensors, and report every operand exactly as the GEMM consumed it.
+struct DebugOptions {
+  bool active = false;
+  bool hp_fprop = false, hp_dgrad = false, hp_wgrad = false;  // disable_fp8_gemm
+  // fake_quant: quantize -> dequantize (current scaling) with this format, then a
+  // high-precision GEMM; -1 leaves the tensor alone.
+  int64_t fake_activation = -1, fake_weight = -1, fake_gradient = -1;
+  // log(gemm, tensor, used, original, scale_inv, format): `used` are the fp32 values the GEMM
+  // computed with ([rows, cols] of the tensor, whatever layout the GEMM read), `original` the
+  // high-precision tensor they came from, scale_inv/format those of FP8 data (undefined / -1
+  // for a high-precision operand).
+  std::function<void(const std::string&, const std::string&, const at::Tensor&, const at::Tensor&,
+                     const at::Tensor&, int64_t)>
+      log;
+};
 
 struct LinearOptions {
   bool fp8 = false;
@@ -52,6 +71,7 @@ struct LinearOptions {
   // gathered tensor (what a debug quantizer needs: its statistics and its usages must be of the
   // tensor the GEMMs use), instead of gathering FP8 bytes.
   bool quantize_after_gather = false;
+  DebugOptions debug;
 };
 
 // Sequence-parallel gather in FP8: quantize this rank's rows [m, K] (current scaling reduces
