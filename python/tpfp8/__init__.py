@@ -11,12 +11,13 @@ from . import _C  # noqa: F401,E402  (registers the native ops in torch.ops.tpfp
 from .formats import Fp8Format
 from . import ops
 from . import parallel
+from . import debug
 from .autocast import fp8_autocast
 from .module import Linear, swap_linear
 from .recipe import CurrentScaling, DelayedScaling
 
-__all__ = ["CurrentScaling", "DelayedScaling", "Fp8Format", "Linear", "fp8_autocast", "ops",
-           "parallel", "swap_linear", "with_cuda"]
+__all__ = ["CurrentScaling", "DelayedScaling", "Fp8Format", "Linear", "debug", "fp8_autocast",
+           "ops", "parallel", "swap_linear", "with_cuda"]
 __version__ = "0.1.0"
 
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from . import _C
 from . import autocast as _autocast
+from . import debug as _debug
 from . import parallel as _parallel
 from .formats import Fp8Format
 from .recipe import CurrentScaling, DelayedScaling
@@ -251,6 +252,9 @@ class Linear(nn.Module):
             opts.sequence_parallel = self.sequence_parallel
             opts.tp_group = self.tp_group
             opts.quantize_after_gather = self._quantize_after_gather
+        debug = _debug.options_for(self)
+        if debug is not None:
+            opts.debug = debug
         y = _C.linear(x, weight, bias, opts)
         if frame is not None and isinstance(frame["recipe"], DelayedScaling):
             self._schedule_updates(y, is_first_microbatch)

@@ -1,0 +1,234 @@
+"""Precision debugging for ``tpfp8.Linear``, built in.
+
+Per layer (a regex on ``Linear(name=...)``) and step, a rule can:
+  - ``log_stats``: report statistics of the tensors each GEMM really consumed -- after the
+    sequence-parallel gather, in the precision and layout the GEMM read them;
+  - ``disable_fp8_gemm``: run the listed GEMMs in high precision;
+  - ``fake_quant``: quantize -> dequantize the listed tensors with a format, then run the GEMMs
+    that consume them in high precision.
+
+    tpfp8.debug.initialize({"rules": [{
+        "layers": "mlp\\\\.fc1",                      # regex, searched in the layer's name
+        "start_step": 0, "end_step": 100, "freq": 10,  # optional
+        "features": {
+            "log_stats": {"tensors": ["activation", "gradient"], "gemms": ["fprop", "wgrad"]},
+            "disable_fp8_gemm": {"gemms": ["wgrad"]},
+            "fake_quant": {"tensors": ["weight"], "format": "e5m2"},
+        }}]}, log_dir="debug_logs")
+    ... each training step: ...; tpfp8.debug.step()
+    tpfp8.debug.shutdown()
+
+The config may also be a path to a JSON or YAML file. Statistics are written as JSON lines to
+``log_dir/tpfp8_debug_rank{R}.jsonl`` and to the ``tpfp8.debug`` logger; under tensor
+parallelism a sharded tensor's statistics are reduced over the group, so they describe the
+whole tensor. A layer with no matching rule at a step runs exactly the normal path.
+"""
+import json
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from .formats import Fp8Format
+
+TENSORS = ("activation", "weight", "gradient")
+GEMMS = ("fprop", "dgrad", "wgrad")
+FEATURES = ("log_stats", "disable_fp8_gemm", "fake_quant")
+logger = logging.getLogger("tpfp8.debug")
+
+
+@dataclass
+class Rule:
+    layers: "re.Pattern"
+    start_step: int = 0
+    end_step: Optional[int] = None
+    freq: int = 1
+    log: set = field(default_factory=set)      # {(tensor, gemm)}
+    high_precision: set = field(default_factory=set)  # {gemm}
+    fake: dict = field(default_factory=dict)   # {tensor: Fp8Format}
+
+    def applies(self, name: str, step: int) -> bool:
+        return (step >= self.start_step and (self.end_step is None or step <= self.end_step)
+                and (step - self.start_step) % self.freq == 0
+                and self.layers.search(name or "") is not None)
+
+
+class _State:
+    rules = None
+    step = 0
+    log_dir = None
+    records = []
+
+
+def _names(value, allowed, what, where):
+    values = [value] if isinstance(value, str) else list(value or [])
+    bad = [v for v in values if v not in allowed]
+    if bad or not values:
+        raise ValueError(f"{where}: {what} must be a non-empty list from {list(allowed)}, got "
+                         f"{value!r}")
+    return values
+
+
+def _parse_rule(raw: dict, i: int) -> Rule:
+    where = f"debug rule {i}"
+    if not isinstance(raw, dict) or "layers" not in raw or "features" not in raw:
+        raise ValueError(f"{where}: a rule is a dict with 'layers' (a regex) and 'features'")
+    try:
+        pattern = re.compile(raw["layers"])
+    except re.error as e:
+        raise ValueError(f"{where}: 'layers' is not a valid regex ({e})") from None
+    rule = Rule(pattern, int(raw.get("start_step", 0)), raw.get("end_step"),
+                int(raw.get("freq", 1)))
+    if rule.freq < 1:
+        raise ValueError(f"{where}: freq must be >= 1, got {rule.freq}")
+    for name, spec in raw["features"].items():
+        spec = spec or {}
+        if name == "log_stats":
+            tensors = _names(spec.get("tensors", TENSORS), TENSORS, "tensors", where)
+            gemms = _names(spec.get("gemms", GEMMS), GEMMS, "gemms", where)
+            rule.log |= {(t, g) for t in tensors for g in gemms}
+        elif name == "disable_fp8_gemm":
+            rule.high_precision |= set(_names(spec.get("gemms"), GEMMS, "gemms", where))
+        elif name == "fake_quant":
+            fmt = Fp8Format.parse(spec.get("format", "e4m3"))
+            for t in _names(spec.get("tensors"), TENSORS, "tensors", where):
+                rule.fake[t] = fmt
+        else:
+            raise ValueError(f"{where}: unknown feature {name!r}; features are {list(FEATURES)}")
+    return rule
+
+
+def _load(config):
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        with open(path) as f:
+            if path.endswith((".yaml", ".yml")):
+                try:
+                    import yaml
+                except ImportError:
+                    raise ValueError("YAML debug configs need PyYAML (pip install pyyaml); or "
+                                     "write the config as JSON") from None
+                return yaml.safe_load(f)
+            return json.load(f)
+    return config
+
+
+def initialize(config, log_dir: Optional[str] = None) -> None:
+    """Activates the rules of `config` (dict, list of rules, or a JSON/YAML path); every error
+    in it is reported here, before any step runs."""
+    raw = _load(config)
+    rules = raw.get("rules") if isinstance(raw, dict) else raw
+    if not isinstance(rules, list):
+        raise ValueError("a debug config is a list of rules, or a dict with 'rules': [...]")
+    _State.rules = [_parse_rule(r, i) for i, r in enumerate(rules)]
+    _State.step, _State.log_dir, _State.records = 0, log_dir, []
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+
+
+def step() -> None:
+    """Advances the debug step counter (call once per training step)."""
+    _State.step += 1
+
+
+def shutdown() -> None:
+    """Deactivates debugging; layers run the normal path again."""
+    _State.rules = None
+
+
+def records() -> list:
+    """The statistics logged since initialize(), as dicts (also in the JSON-lines file)."""
+    return list(_State.records)
+
+
+def options_for(layer) -> Optional["_C.DebugOptions"]:
+    """The debug options of `layer` at the current step, or None when no rule applies."""
+    if not _State.rules:
+        return None
+    rules = [r for r in _State.rules if r.applies(layer.name, _State.step)]
+    if not rules:
+        return None
+    d = _C.DebugOptions()
+    d.active = True
+    hp = set().union(*(r.high_precision for r in rules))
+    d.hp_fprop, d.hp_dgrad, d.hp_wgrad = ("fprop" in hp, "dgrad" in hp, "wgrad" in hp)
+    fake = {}
+    for r in rules:
+        fake.update(r.fake)
+    d.fake_activation, d.fake_weight, d.fake_gradient = (
+        int(fake[t]) if t in fake else -1 for t in TENSORS)
+    wanted = set().union(*(r.log for r in rules))
+    if wanted:
+        d.log = _logger(layer, wanted, _State.step)
+    return d
+
+
+def _sharded(layer, tensor: str) -> bool:
+    """Whether this rank holds only part of `tensor` (its statistics need the group)."""
+    mode = layer.parallel_mode
+    return (mode is not None and tensor == "weight") or (mode, tensor) in (
+        ("row", "activation"), ("column", "gradient"))
+
+
+def _logger(layer, wanted, step_no):
+    def log(gemm, tensor, used, original, scale_inv, fmt):
+        if (tensor, gemm) not in wanted:
+            return
+        group = layer.tp_group if _sharded(layer, tensor) else None
+        stats = _statistics(used, original, scale_inv, fmt, group)
+        shape = list(used.shape)
+        if group is not None:  # the whole tensor's shape: the split dimension times the group
+            split = 0 if (tensor == "weight" and layer.parallel_mode == "column") else 1
+            shape[split] *= dist.get_world_size(group)
+        record = {"step": step_no, "layer": layer.name, "gemm": gemm, "tensor": tensor,
+                  "shape": shape, **stats}
+        _write(record)
+    return log
+
+
+def _statistics(used, original, scale_inv, fmt, group) -> dict:
+    """fp64 statistics of `used`; FP8 ones against `original`. Sums, minima and maxima are
+    reduced over `group`, so a sharded tensor reports the whole tensor's values."""
+    u = used.double()
+    sums = [float(u.numel()), u.sum(), (u * u).sum(), u.abs().sum()]
+    fp8 = scale_inv is not None and fmt >= 0
+    if fp8:
+        o = original.double()
+        scale = torch.reciprocal(scale_inv.float())
+        nonzero = o != 0
+        saturated = (original.float() * scale).abs() >= Fp8Format(fmt).max
+        sums += [(nonzero & (u == 0)).sum(), nonzero.sum(), saturated.sum(), ((u - o) ** 2).sum()]
+    sums = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=u.device) for v in sums])
+    lo, hi = u.min().reshape(1), u.max().reshape(1)
+    if group is not None:
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    s = sums.tolist()
+    n, total, total_sq, l1 = s[:4]
+    mean = total / n
+    out = {"amax": max(abs(lo.item()), abs(hi.item())), "min": lo.item(), "max": hi.item(),
+           "mean": mean, "std": math.sqrt(max(total_sq / n - mean * mean, 0.0)),
+           "l1_norm": l1, "l2_norm": math.sqrt(total_sq)}
+    if fp8:
+        under, nonzeros, saturated, sq_err = s[4:]
+        out.update(underflow_pct=100.0 * under / max(nonzeros, 1.0),
+                   overflow_pct=100.0 * saturated / n, scale_inv=float(scale_inv.item()),
+                   mse=sq_err / n)
+    return out
+
+
+def _write(record: dict) -> None:
+    _State.records.append(record)
+    logger.info("%s", json.dumps(record))
+    if _State.log_dir:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        path = os.path.join(_State.log_dir, f"tpfp8_debug_rank{rank}.jsonl")
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")

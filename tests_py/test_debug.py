@@ -1,0 +1,165 @@
+"""tpfp8.debug on one device: config errors, rule selection, disable_fp8_gemm, fake_quant and
+statistics against a float64 emulation. The sequence-parallel seed case runs in tp_worker.py."""
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import tpfp8
+from fp8_oracle import MAX, code_values, encode
+
+GEMMS = ("fprop", "dgrad", "wgrad")
+
+
+@pytest.fixture(autouse=True)
+def _debug_off():
+    yield
+    tpfp8.debug.shutdown()
+
+
+def rel(a, b):
+    a, b = torch.as_tensor(a).detach().double(), torch.as_tensor(b).detach().double()
+    return float((a - b).norm() / b.norm())
+
+
+def fq(t, fmt):
+    """Current-scaling fake quantization in float64 (independent of tpfp8)."""
+    t = t.detach().float()
+    s = np.float32(MAX[fmt]) / np.float32(t.abs().max())
+    codes = encode(t.numpy() * s, fmt)
+    return torch.from_numpy(code_values(fmt)[codes] * np.float64(np.float32(1) / s))
+
+
+def emulate(x, w, dy, high=(), fake=None):
+    """y, dx, dW with the GEMMs in `high` (or fed a fake-quantized tensor) in high precision."""
+    fake = fake or {}
+    xd, wd, dyd = x.detach().double(), w.detach().double(), dy.double()
+    q = {"activation": fq(x, "e4m3"), "weight": fq(w, "e4m3"), "gradient": fq(dy, "e5m2")}
+    hp = {"activation": xd, "weight": wd, "gradient": dyd}
+    for t, fmt in fake.items():
+        hp[t] = fq(hp[t].float(), fmt)
+
+    def pick(gemm, a, b):
+        high_gemm = gemm in high or a in fake or b in fake
+        src = hp if high_gemm else q
+        return src[a], src[b]
+
+    xa, wa = pick("fprop", "activation", "weight")
+    ga, wb = pick("dgrad", "gradient", "weight")
+    gb, xb = pick("wgrad", "gradient", "activation")
+    return xa @ wa.T, ga @ wb, gb.T @ xb
+
+
+def run(lin, x, dy):
+    x = x.clone().requires_grad_(True)
+    lin.weight.grad = None
+    with tpfp8.fp8_autocast(recipe=tpfp8.CurrentScaling()):
+        y = lin(x)
+    y.backward(dy)
+    return y.detach(), x.grad, lin.weight.grad
+
+
+def layer(seed=0):
+    torch.manual_seed(seed)
+    return tpfp8.Linear(32, 48, bias=False, name="block.fc1")
+
+
+@pytest.mark.parametrize("config,message", [
+    ([{"layers": "fc", "features": {"log_stats": {}, "sparkle": {}}}], "unknown feature"),
+    ([{"layers": "fc", "features": {"log_stats": {"tensors": ["bias"]}}}], "tensors"),
+    ([{"layers": "fc", "features": {"disable_fp8_gemm": {"gemms": ["xgrad"]}}}], "gemms"),
+    ([{"layers": "fc(", "features": {"log_stats": {}}}], "not a valid regex"),
+    ([{"layers": "fc", "freq": 0, "features": {}}], "freq"),
+    ([{"features": {}}], "'layers'"),
+    ({"rule": []}, "list of rules"),
+])
+def test_bad_configs_fail_at_initialize(config, message):
+    with pytest.raises(ValueError, match=message):
+        tpfp8.debug.initialize(config)
+
+
+def test_no_matching_rule_is_the_normal_path():
+    x, dy = torch.randn(16, 32), torch.randn(16, 48)
+    plain = run(layer(), x, dy)
+    tpfp8.debug.initialize([{"layers": "attention", "features": {"log_stats": {}}}])
+    debugged = run(layer(), x, dy)
+    assert tpfp8.debug.records() == []
+    for a, b in zip(plain, debugged):
+        assert torch.equal(a, b)
+
+
+def test_log_stats_only_changes_nothing():
+    x, dy = torch.randn(16, 32), torch.randn(16, 48)
+    plain = run(layer(), x, dy)
+    tpfp8.debug.initialize([{"layers": "fc1", "features": {"log_stats": {}}}])
+    debugged = run(layer(), x, dy)
+    assert len(tpfp8.debug.records()) == 6  # 3 GEMMs x 2 operands
+    for a, b in zip(plain, debugged):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("high", [c for n in range(4) for c in itertools.combinations(GEMMS, n)],
+                         ids=lambda c: "+".join(c) or "none")
+def test_disable_fp8_gemm_runs_exactly_those_gemms_in_high_precision(high):
+    tpfp8.debug.initialize([{"layers": "fc1",
+                             "features": {"disable_fp8_gemm": {"gemms": list(high)}}}]
+                           if high else [])
+    lin = layer(1)
+    x, dy = torch.randn(16, 32), torch.randn(16, 48)
+    for got, want in zip(run(lin, x, dy), emulate(x, lin.weight, dy, high=high)):
+        assert rel(got, want) <= 1e-5
+
+
+@pytest.mark.parametrize("tensor,fmt", [("weight", "e5m2"), ("activation", "e4m3"),
+                                        ("gradient", "e4m3")])
+def test_fake_quant_is_quantize_dequantize_then_high_precision(tensor, fmt):
+    tpfp8.debug.initialize([{"layers": "fc1", "features": {
+        "fake_quant": {"tensors": [tensor], "format": fmt}}}])
+    lin = layer(2)
+    x, dy = torch.randn(16, 32), torch.randn(16, 48)
+    for got, want in zip(run(lin, x, dy), emulate(x, lin.weight, dy, fake={tensor: fmt})):
+        assert rel(got, want) <= 1e-5
+
+
+def fp64_stats(t):
+    t = torch.as_tensor(t).double()
+    return {"amax": t.abs().max(), "min": t.min(), "max": t.max(), "mean": t.mean(),
+            "std": t.std(unbiased=False), "l1_norm": t.abs().sum(), "l2_norm": t.norm()}
+
+
+def test_statistics_describe_what_each_gemm_consumed(tmp_path):
+    tpfp8.debug.initialize([{"layers": "fc1", "features": {
+        "log_stats": {"tensors": ["activation"], "gemms": ["fprop", "wgrad"]},
+        "disable_fp8_gemm": {"gemms": ["wgrad"]}}}], log_dir=str(tmp_path))
+    lin = layer(3)
+    x, dy = torch.randn(16, 32), torch.randn(16, 48)
+    x[0, 0] = 1e-7  # underflows to zero in E4M3 at this scale
+    run(lin, x, dy)
+    fprop, wgrad = tpfp8.debug.records()
+    assert (fprop["gemm"], wgrad["gemm"]) == ("fprop", "wgrad")
+    for rec, used in ((fprop, fq(x, "e4m3")), (wgrad, x)):  # FP8 codes vs high precision
+        assert rec["shape"] == [16, 32]
+        for key, want in fp64_stats(used).items():
+            assert math.isclose(rec[key], float(want), rel_tol=1e-6), key
+    scale = np.float32(448.0) / np.float32(x.abs().max())
+    assert fprop["scale_inv"] == np.float32(1.0) / scale
+    assert fprop["underflow_pct"] == pytest.approx(100.0 / 512)
+    assert fprop["mse"] == pytest.approx(float(((fq(x, "e4m3") - x.double()) ** 2).mean()))
+    assert "scale_inv" not in wgrad
+    lines = (tmp_path / "tpfp8_debug_rank0.jsonl").read_text().splitlines()
+    assert [json.loads(line)["gemm"] for line in lines] == ["fprop", "wgrad"]
+
+
+def test_rules_select_steps():
+    tpfp8.debug.initialize([{"layers": "fc1", "start_step": 1, "end_step": 5, "freq": 2,
+                             "features": {"log_stats": {"tensors": ["weight"],
+                                                        "gemms": ["fprop"]}}}])
+    lin = layer(4)
+    for _ in range(7):
+        with tpfp8.fp8_autocast(recipe=tpfp8.CurrentScaling()):
+            lin(torch.randn(16, 32))
+        tpfp8.debug.step()
+    assert [r["step"] for r in tpfp8.debug.records()] == [1, 3, 5]
