@@ -75,8 +75,9 @@ def gathered_scalars(v):
     return [float(o) for o in out]
 
 
-def emulate(mode, recipe, layer, x, dy, w_full, b_full):
-    """Full (all-rank) y, dx, dW, db of the TP computation with each rank's scales."""
+def emulate(mode, recipe, layer, x, dy, w_full, b_full, high=()):
+    """Full (all-rank) y, dx, dW, db of the TP computation with each rank's scales; the GEMMs
+    named in `high` (debug's disable_fp8_gemm) in high precision."""
     tp, r = dist.get_world_size(), dist.get_rank()
     x2, dy2 = x.reshape(-1, K).double(), dy.reshape(-1, N).double()
     if recipe is None:
@@ -94,18 +95,25 @@ def emulate(mode, recipe, layer, x, dy, w_full, b_full):
         sx = gathered_scalars(cur_scale(x_parts[r], fwd))
         sw = gathered_scalars(cur_scale(w_parts[r], fwd))
         sdy = gathered_scalars(cur_scale(dy_parts[r], grad))
-    qx = [fq(x_parts[i], sx[i], fwd) for i in range(tp)]
-    qw = [fq(w_parts[i], sw[i], fwd) for i in range(tp)]
-    qdy = [fq(dy_parts[i], sdy[i], grad) for i in range(tp)]
+    q = {"x": [fq(x_parts[i], sx[i], fwd) for i in range(tp)],
+         "w": [fq(w_parts[i], sw[i], fwd) for i in range(tp)],
+         "dy": [fq(dy_parts[i], sdy[i], grad) for i in range(tp)]}
+    hp = {"x": [p.double() for p in x_parts], "w": [p.double() for p in w_parts],
+          "dy": [p.double() for p in dy_parts]}
+
+    def src(gemm):
+        return hp if gemm in high else q
+
+    f, d, g = src("fprop"), src("dgrad"), src("wgrad")
     db = dy2.sum(0)
     if mode == "column":
-        y = torch.cat([qx[i] @ qw[i].T for i in range(tp)], dim=1)
-        dx = sum(qdy[i] @ qw[i] for i in range(tp))
-        dw = torch.cat([qdy[i].T @ qx[i] for i in range(tp)], dim=0)
+        y = torch.cat([f["x"][i] @ f["w"][i].T for i in range(tp)], dim=1)
+        dx = sum(d["dy"][i] @ d["w"][i] for i in range(tp))
+        dw = torch.cat([g["dy"][i].T @ g["x"][i] for i in range(tp)], dim=0)
     else:
-        y = sum(qx[i] @ qw[i].T for i in range(tp))
-        dx = torch.cat([qdy[i] @ qw[i] for i in range(tp)], dim=1)
-        dw = torch.cat([qdy[i].T @ qx[i] for i in range(tp)], dim=1)
+        y = sum(f["x"][i] @ f["w"][i].T for i in range(tp))
+        dx = torch.cat([d["dy"][i] @ d["w"][i] for i in range(tp)], dim=1)
+        dw = torch.cat([g["dy"][i].T @ g["x"][i] for i in range(tp)], dim=1)
     if b_full is not None:
         y = y + b_full.double()
     return y, dx, dw, db
@@ -269,6 +277,95 @@ def check_quantize_after_gather(group):
             assert torch.equal(a, b), f"quantize-after-gather differs (save={save_orig})"
 
 
+def step_tp(layer, mode, sp, group, full_x, full_dy, recipe):
+    """One forward + backward of a TP layer on the full data; returns full (y, dx, dW)."""
+    x, dy = local_view(mode, sp, group, full_x, full_dy)
+    x.requires_grad_(True)
+    layer.weight.grad = None
+    with tpfp8.fp8_autocast(recipe=recipe):
+        y = layer(x)
+    y.backward(dy)
+    return (full_of(y.detach(), mode, sp, group, "y"), full_of(x.grad, mode, sp, group, "dx"),
+            full_of(layer.weight.grad, mode, sp, group, "dw"))
+
+
+def check_debug_disable_fp8_gemm(group):
+    """For every subset of GEMMs run in high precision, column/row, SP off/on: the TP run
+    equals an emulation doing exactly those GEMMs in high precision."""
+    recipe = tpfp8.CurrentScaling()
+    gemms = ("fprop", "dgrad", "wgrad")
+    for mode, sp in itertools.product(("column", "row"), (False, True)):
+        for n in range(4):
+            for high in itertools.combinations(gemms, n):
+                tpfp8.debug.initialize([{"layers": "tp", "features": {
+                    "disable_fp8_gemm": {"gemms": list(high)}}}] if high else [])
+                torch.manual_seed(5)
+                layer = tpfp8.Linear(K, N, bias=False, parallel_mode=mode, tp_group=group,
+                                     sequence_parallel=sp, device=DEVICE, name="tp")
+                w_full = layer.full_state_dict()["weight"]
+                torch.manual_seed(6)
+                full_x = torch.randn(S, B, K, device=DEVICE)
+                full_dy = torch.randn(S, B, N, device=DEVICE) * 1e-2
+                want = emulate(mode, recipe, layer, full_x, full_dy, w_full, None, high=high)
+                got = step_tp(layer, mode, sp, group, full_x, full_dy, recipe)
+                for key, g, w in zip(("y", "dx", "dw"), got, want):
+                    tight = 1e-5 if len(high) == 3 else FP8_TIGHT
+                    expect(rel(g, w.reshape(g.shape)), tight,
+                           f"disable_fp8_gemm={high} {mode} sp={sp} {key}")
+    tpfp8.debug.shutdown()
+
+
+def check_debug_seed_case(group):
+    """The seed case: column-parallel, sequence parallel, save_original_input, current
+    scaling, every statistic logged. Debugging changes no result; the wgrad activation
+    statistics are of the gathered tensor (all rows) and equal fp64 statistics of the whole
+    tensor's FP8 values; a sharded weight's statistics equal the single-device ones."""
+    recipe = tpfp8.CurrentScaling()
+    torch.manual_seed(8)
+    full_x = torch.randn(S, B, K, device=DEVICE)
+    full_dy = torch.randn(S, B, N, device=DEVICE) * 1e-2
+
+    def make():
+        torch.manual_seed(9)
+        return tpfp8.Linear(K, N, parallel_mode="column", tp_group=group, sequence_parallel=True,
+                            save_original_input=True, device=DEVICE, name="seed.fc1")
+
+    plain = step_tp(make(), "column", True, group, full_x, full_dy, recipe)
+    tpfp8.debug.initialize([{"layers": "seed", "features": {"log_stats": {}}}])
+    debugged = step_tp(make(), "column", True, group, full_x, full_dy, recipe)
+    global checks
+    for a, b in zip(plain, debugged):
+        checks += 1
+        assert torch.equal(a, b), "debugging changed a result"
+    rec = {(r["gemm"], r["tensor"]): r for r in tpfp8.debug.records()}
+    act = rec[("wgrad", "activation")]
+    x2 = full_x.reshape(-1, K)
+    scale = torch.tensor([448.0], device=DEVICE) / x2.abs().max()
+    q = tpfp8.ops.quantize(x2, scale, "e4m3")
+    used = tpfp8.ops.dequantize(q.rowwise, q.scale_inv, "e4m3").double()
+    checks += 1
+    assert act["shape"] == [S * B, K], f"wgrad activation stats of {act['shape']} rows"
+    want = {"amax": used.abs().max(), "min": used.min(), "max": used.max(), "mean": used.mean(),
+            "std": used.std(unbiased=False), "l1_norm": used.abs().sum(), "l2_norm": used.norm()}
+    for key, value in want.items():
+        expect(abs(act[key] - float(value)) / max(abs(float(value)), 1e-30), 1e-6,
+               f"seed wgrad activation {key}")
+    # Sharded weight: with fprop in high precision its statistics are the full weight's.
+    tpfp8.debug.initialize([{"layers": "seed", "features": {
+        "log_stats": {"tensors": ["weight"], "gemms": ["fprop"]},
+        "disable_fp8_gemm": {"gemms": ["fprop"]}}}])
+    layer = make()
+    step_tp(layer, "column", True, group, full_x, full_dy, recipe)
+    (w_rec,) = tpfp8.debug.records()
+    w = layer.full_state_dict()["weight"].double()
+    checks += 1
+    assert w_rec["shape"] == [N, K]
+    for key, value in {"amax": w.abs().max(), "mean": w.mean(), "std": w.std(unbiased=False),
+                       "l2_norm": w.norm()}.items():
+        expect(abs(w_rec[key] - float(value)) / abs(float(value)), 1e-6, f"weight stats {key}")
+    tpfp8.debug.shutdown()
+
+
 def main():
     backend = os.environ.get("TP_BACKEND", "gloo")
     if DEVICE == "cuda":
@@ -278,6 +375,8 @@ def main():
     check_errors(group)
     check_fp8_gather(group)
     check_quantize_after_gather(group)
+    check_debug_seed_case(group)
+    check_debug_disable_fp8_gemm(group)
     recipes = [None, tpfp8.DelayedScaling(amax_history_len=4), tpfp8.CurrentScaling()]
     for mode, sp, recipe, save_orig, bias in itertools.product(
             ("column", "row"), (False, True), recipes, (False, True), (True, False)):
