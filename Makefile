@@ -1,5 +1,6 @@
 # tpfp8: the two commands of the README, and their parts.
-#   make demo   set up, build, self-check, and run the cast benchmark on this machine's device
+#   make demo   set up, build, self-check, train the tensor-parallel FP8 demo (2 ranks), and
+#               run the cast benchmark on this machine's device
 #   make test   set up, build, run GoogleTest (ctest) and pytest
 PYTHON ?= python3
 JOBS ?= $(shell nproc)
@@ -11,7 +12,7 @@ export MAX_JOBS ?= $(JOBS)
 .PHONY: help deps build build-python build-cpp test test-cpp test-py demo bench format lint clean
 
 help:
-	@echo "make demo    set up, build, self-check, cast benchmark"
+	@echo "make demo    set up, build, self-check, tensor-parallel FP8 training demo, cast benchmark"
 	@echo "make test    set up, build, GoogleTest + pytest"
 	@echo "make format  clang-format C++/CUDA sources"
 	@echo "make lint    ruff over the Python code"
@@ -50,6 +51,7 @@ test: test-cpp test-py
 demo: build-python
 	@$(PYTHON) -c "import matplotlib" 2>/dev/null || $(PYTHON) -m pip install -q matplotlib
 	$(PYTHON) -m tpfp8.selfcheck
+	$(PYTHON) -m tpfp8.demo --tp 2
 	$(PYTHON) bench/cast.py
 
 format:

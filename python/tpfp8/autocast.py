@@ -140,5 +140,6 @@ def _update_backward() -> None:
 
 
 def amax_group() -> Optional[object]:
+    """The amax_group of the innermost active fp8_autocast (None outside one)."""
     frame = current()
     return frame["amax_group"] if frame else None

@@ -10,14 +10,17 @@ import torch.distributed as dist
 
 
 def group_size(group) -> int:
+    """Ranks in `group` (1 for None: no tensor parallelism)."""
     return dist.get_world_size(group) if group is not None else 1
 
 
 def group_rank(group) -> int:
+    """This process's rank within `group` (0 for None)."""
     return dist.get_rank(group) if group is not None else 0
 
 
 def check_divisible(value: int, group, what: str, fix: str) -> None:
+    """Raises ValueError (what, the group size, how to fix) unless the group divides value."""
     tp = group_size(group)
     if value % tp:
         raise ValueError(f"{what}={value} is not divisible by the tensor-parallel group size "
