@@ -33,3 +33,19 @@ def encode(v32, fmt):
     code = np.where(a >= vals[-1], len(vals) - 1, code)
     code = code | np.where(np.signbit(v32), 0x80, 0)
     return np.where(np.isnan(v32), 0x7F, code).astype(np.uint8)
+
+
+def current_scale(t, fmt):
+    """Current scaling's fp32 scale of tensor `t`: fp8_max / amax, in fp32 as tpfp8 computes."""
+    amax = np.float32(t.detach().float().abs().max().cpu())
+    return np.float32(MAX[fmt]) / amax
+
+
+def fake_quant(t, scale, fmt):
+    """Quantize `t` with `scale` as the kernels do (fp32 product, nearest even, saturate),
+    decode and multiply by the fp32 scale_inv: a CPU float64 torch tensor."""
+    import torch
+
+    s = np.float32(scale)
+    codes = encode(t.detach().float().cpu().numpy() * s, fmt)
+    return torch.from_numpy(code_values(fmt)[codes] * np.float64(np.float32(1.0) / s))

@@ -22,12 +22,12 @@ import itertools
 import os
 import sys
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fp8_oracle import MAX, code_values, encode  # noqa: E402
+from fp8_oracle import current_scale as cur_scale  # noqa: E402
+from fp8_oracle import fake_quant as fq  # noqa: E402
 
 import tpfp8  # noqa: E402
 from tpfp8 import _C  # noqa: E402
@@ -55,17 +55,6 @@ def expect(value, bound, what):
 
 
 # ---- float64 emulation ----------------------------------------------------------------
-
-def fq(t, scale, fmt):
-    """Fake-quantize like the kernels: fp32 product, nearest even, saturate; decode * 1/s."""
-    s = np.float32(scale)
-    codes = encode(t.detach().float().cpu().numpy() * s, fmt)
-    return torch.from_numpy(code_values(fmt)[codes] * np.float64(np.float32(1.0) / s))
-
-
-def cur_scale(t, fmt):
-    return np.float32(MAX[fmt]) / np.float32(t.detach().float().abs().max().cpu())
-
 
 def gathered_scalars(v):
     """Every rank's value of a python float, in rank order."""
