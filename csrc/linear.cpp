@@ -154,6 +154,11 @@ std::pair<Operand, Operand> operands(const char* gemm, const Use& a, const Use& 
   return {one(a), one(b)};
 }
 
+// The part of an FP8 tensor backward keeps: its column-wise data (the row-wise copy is dropped).
+Fp8Tensor columnwise_part(const Fp8Tensor& q) {
+  return {at::Tensor(), q.columnwise, q.scale_inv, q.format};
+}
+
 // What backward needs beyond the tensors saved through save_for_backward.
 struct Saved : torch::CustomClassHolder {
   LinearOptions o;
@@ -201,7 +206,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     Prepared w{weight, {}};
     if (o.fp8) {
       w.q = weight_fp8(weight, o, need_dgrad);
-      s->qw = {at::Tensor(), w.q.columnwise, w.q.scale_inv, w.q.format};
+      s->qw = columnwise_part(w.q);
     }
     // 3. fprop. The bias is fused in the epilogue except where an FP8 GEMM writes fp32 (its
     //    epilogue takes a 16-bit bias) and under row parallelism (it is added once, after the
@@ -303,7 +308,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
       // Quantize what the GEMMs see: the gathered tensor, whose amax is the global one.
       const at::Tensor total = all_gather_rows(x2, *o.tp_group);
       const Fp8Tensor q = quantize(total, o.input, true, columnwise);
-      s.qx = {at::Tensor(), q.columnwise, q.scale_inv, q.format};
+      s.qx = columnwise_part(q);
       return {total, q};
     }
     if (gather) {
@@ -313,7 +318,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
       return {at::Tensor(), q};
     }
     const Fp8Tensor q = quantize(x2, o.input, true, columnwise);
-    s.qx = {at::Tensor(), q.columnwise, q.scale_inv, q.format};
+    s.qx = columnwise_part(q);
     return {x2, q};
   }
 

@@ -2,7 +2,6 @@
 delayed-scaling updates."""
 import contextlib
 import threading
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -137,9 +136,3 @@ def _update_backward() -> None:
     metas = list(_pending_backward.values())
     _pending_backward.clear()
     update_all(metas)
-
-
-def amax_group() -> Optional[object]:
-    """The amax_group of the innermost active fp8_autocast (None outside one)."""
-    frame = current()
-    return frame["amax_group"] if frame else None
