@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Builds tpfp8 on a GPU machine, runs the GPU tests and the benchmarks, writes logs to $OUT.
-#   OUT=/tmp/out bash bench/device_run.sh [cast|gemm|tests ...]   (default: all)
+#   OUT=/tmp/out bash bench/device_run.sh [tests|cast|gemm|linear|debug|tp|demo ...]
+# (default: all). Each step's wall time goes to the log; JSON/PNG results are packed into
+# $OUT/results.tgz at the end (the device tool returns only a few files).
 # GoogleTest: the GPU machine has no libgtest; copy the sources there first, e.g. from this
 # repository's machine: `cp -r /usr/src/googletest .deps/` (ignored by git; carry `.deps`).
 # On the lent H200 the image's default compiler (/opt/gcc) breaks C++ exceptions thrown from the
@@ -11,12 +13,14 @@ OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 export MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
 export CXX=${TPFP8_CXX:-/usr/bin/g++} CC=${TPFP8_CC:-/usr/bin/gcc}
-steps=${*:-tests cast gemm}
+steps=${*:-tests cast gemm linear debug tp demo}
+ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 log=$OUT/device.log
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$log"
 python3 setup.py -q build_ext --inplace >> "$log" 2>&1 || { tail -30 "$log"; exit 1; }
 gtest=$PWD/.deps/googletest; [ -d "$gtest" ] || gtest=/usr/src/googletest
 for step in $steps; do
+  echo "== $step ($(date +%T))" | tee -a "$log"
   case $step in
     tests)
       cmake -S . -B build/cmake -DTPFP8_GTEST_SOURCE_DIR="$gtest" >> "$log" 2>&1 &&
@@ -25,6 +29,18 @@ for step in $steps; do
       python3 -m pytest tests_py -q -rs -p no:cacheprovider 2>&1 | tee -a "$log" | tail -4 ;;
     cast) python3 bench/cast.py --out "$OUT" 2>&1 | tee -a "$log" | grep -E '^\|' ;;
     gemm) python3 bench/gemm.py --out "$OUT" 2>&1 | tee -a "$log" | grep -E '^\|' ;;
+    linear) python3 bench/linear.py --out "$OUT" 2>&1 | tee -a "$log" | grep -E '^\|' ;;
+    debug) python3 bench/debug_overhead.py --out "$OUT" 2>&1 | tee -a "$log" | grep -E '^\|' ;;
+    tp)
+      python3 bench/tp.py --out "$OUT" 2>&1 | tee -a "$log" | grep -E '^\|'
+      if [ "$ngpu" -ge 2 ]; then
+        python3 -m torch.distributed.run --standalone --nproc_per_node="$ngpu" bench/tp.py \
+          --time --out "$OUT" 2>&1 | tee -a "$log" | grep -E '^\|'
+      fi ;;
+    demo) python3 -m tpfp8.demo --tp "$(( ngpu >= 2 ? 2 : 1 ))" --out "$OUT/demo" 2>&1 |
+            tee -a "$log" | tail -6 ;;
     *) echo "unknown step $step" ;;
   esac
 done
+echo "== done ($(date +%T))" | tee -a "$log"
+(cd "$OUT" && find . -name '*.json' -o -name '*.png' | tar czf results.tgz -T - 2>/dev/null)
