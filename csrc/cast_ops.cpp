@@ -25,18 +25,36 @@ uint8_t* optional_fp8_out(const OptTensor& t, const char* name, at::IntArrayRef 
   return t->data_ptr<uint8_t>();
 }
 
-CastParams cast_params(const at::Tensor& input, const at::Tensor& scale, int64_t fp8_format) {
+CastParams cast_params(const at::Tensor& input, int64_t fp8_format) {
   check_2d(input, "input");
   check_contiguous(input, "input");
   CastParams p;
   p.dtype = high_precision_dtype(input, "input");
   p.format = fp8_format_from(fp8_format);
-  check_scalar_f32(scale, "scale", input, "input");
   p.input = input.data_ptr();
   p.rows = input.size(0);
   p.cols = input.size(1);
+  return p;
+}
+
+CastParams cast_params(const at::Tensor& input, const at::Tensor& scale, int64_t fp8_format) {
+  CastParams p = cast_params(input, fp8_format);
+  check_scalar_f32(scale, "scale", input, "input");
   p.scale = scale.data_ptr<float>();
   return p;
+}
+
+void run_cast_transpose(CastParams& p, const at::Tensor& input, const OptTensor& rowwise,
+                        const OptTensor& columnwise, const OptTensor& amax,
+                        const OptTensor& scale_inv) {
+  TORCH_CHECK(rowwise.has_value() || columnwise.has_value(),
+              "cast_transpose needs at least one of rowwise / columnwise outputs");
+  p.rowwise = optional_fp8_out(rowwise, "rowwise", {p.rows, p.cols}, input);
+  p.columnwise = optional_fp8_out(columnwise, "columnwise", {p.cols, p.rows}, input);
+  p.amax = optional_f32(amax, "amax", input);
+  p.scale_inv = optional_f32(scale_inv, "scale_inv", input);
+  run_on_device(
+      input, [&] { cast_cpu(p); }, [&](cudaStream_t s) { return cast_transpose_cuda(p, s); });
 }
 
 }  // namespace
@@ -48,22 +66,25 @@ void quantize(const at::Tensor& input, const at::Tensor& scale, at::Tensor& out,
   p.rowwise = out.data_ptr<uint8_t>();
   p.amax = optional_f32(amax, "amax", input);
   p.scale_inv = optional_f32(scale_inv, "scale_inv", input);
-  run_on_device(
-      input, [&] { cast_cpu(p); }, [&](cudaStream_t s) { return quantize_cuda(p, s); });
+  run_on_device(input, [&] { cast_cpu(p); }, [&](cudaStream_t s) { return quantize_cuda(p, s); });
 }
 
 void cast_transpose(const at::Tensor& input, const at::Tensor& scale, const OptTensor& rowwise,
                     const OptTensor& columnwise, const OptTensor& amax, const OptTensor& scale_inv,
                     int64_t fp8_format) {
   CastParams p = cast_params(input, scale, fp8_format);
-  TORCH_CHECK(rowwise.has_value() || columnwise.has_value(),
-              "cast_transpose needs at least one of rowwise / columnwise outputs");
-  p.rowwise = optional_fp8_out(rowwise, "rowwise", {p.rows, p.cols}, input);
-  p.columnwise = optional_fp8_out(columnwise, "columnwise", {p.cols, p.rows}, input);
-  p.amax = optional_f32(amax, "amax", input);
-  p.scale_inv = optional_f32(scale_inv, "scale_inv", input);
-  run_on_device(
-      input, [&] { cast_cpu(p); }, [&](cudaStream_t s) { return cast_transpose_cuda(p, s); });
+  run_cast_transpose(p, input, rowwise, columnwise, amax, scale_inv);
+}
+
+void cast_transpose_current(const at::Tensor& input, const at::Tensor& amax, double epsilon,
+                            const OptTensor& rowwise, const OptTensor& columnwise,
+                            const OptTensor& scale_inv, int64_t fp8_format) {
+  CastParams p = cast_params(input, fp8_format);
+  check_scalar_f32(amax, "amax", input, "input");
+  TORCH_CHECK(epsilon >= 0.0, "epsilon must be >= 0, got ", epsilon);
+  p.scale_amax = amax.data_ptr<float>();
+  p.epsilon = static_cast<float>(epsilon);
+  run_cast_transpose(p, input, rowwise, columnwise, std::nullopt, scale_inv);
 }
 
 void transpose_fp8(const at::Tensor& input, at::Tensor& out) {
@@ -136,6 +157,57 @@ void delayed_scaling_update(at::Tensor& amax_history, at::Tensor& scale, at::Ten
       [&](cudaStream_t s) { return delayed_scaling_update_cuda(p, s); });
 }
 
+void delayed_scaling_update_many(const std::vector<at::Tensor>& histories,
+                                 const std::vector<at::Tensor>& scales,
+                                 const std::vector<at::Tensor>& scale_invs,
+                                 const std::vector<double>& fp8_max, int64_t margin,
+                                 bool use_history_max) {
+  TORCH_CHECK(histories.size() == scales.size() && histories.size() == scale_invs.size(),
+              "delayed_scaling_update_many needs one scale and scale_inv per history, got ",
+              histories.size(), " histories, ", scales.size(), " scales, ", scale_invs.size(),
+              " scale_invs");
+  TORCH_CHECK(margin >= -100 && margin <= 100, "margin must be in [-100, 100], got ", margin);
+  if (histories.empty()) return;
+  const at::Tensor& ref = histories[0];
+  int64_t total = 0;
+  for (size_t j = 0; j < histories.size(); ++j) {
+    const at::Tensor& h = histories[j];
+    TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.size(1) == ref.size(1),
+                "histories[", j, "] must be float32 [num_tensors, ", ref.size(1),
+                "] (tensor-major, newest first), got ", h.scalar_type(), " of shape ",
+                shape_str(h));
+    check_contiguous(h, "history");
+    check_same_device(h, ref, "history", "histories[0]");
+    check_output(scales[j], "scale", {h.size(0)}, at::kFloat, ref);
+    check_output(scale_invs[j], "scale_inv", {h.size(0)}, at::kFloat, ref);
+    total += h.size(0);
+  }
+  TORCH_CHECK(static_cast<int64_t>(fp8_max.size()) == total, "fp8_max needs one value per tensor (",
+              total, "), got ", fp8_max.size());
+  DelayedScalingBatch b;
+  b.history_len = ref.size(1);
+  b.margin = static_cast<int>(margin);
+  b.use_history_max = use_history_max;
+  auto flush = [&] {
+    run_on_device(
+        ref, [&] { delayed_scaling_update_batch_cpu(b); },
+        [&](cudaStream_t s) { return delayed_scaling_update_batch_cuda(b, s); });
+    b.num_tensors = 0;
+  };
+  int64_t flat = 0;
+  for (size_t j = 0; j < histories.size(); ++j) {
+    for (int64_t i = 0; i < histories[j].size(0); ++i, ++flat) {
+      if (b.num_tensors == DelayedScalingBatch::kMaxTensors) flush();
+      const int t = b.num_tensors++;
+      b.history[t] = histories[j].data_ptr<float>() + i * b.history_len;
+      b.scale[t] = scales[j].data_ptr<float>() + i;
+      b.scale_inv[t] = scale_invs[j].data_ptr<float>() + i;
+      b.fp8_max[t] = static_cast<float>(fp8_max[flat]);
+    }
+  }
+  if (b.num_tensors > 0) flush();
+}
+
 TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
   m.def(
       "quantize(Tensor input, Tensor scale, Tensor(a!) out, Tensor(b!)? amax, "
@@ -143,21 +215,29 @@ TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
   m.def(
       "cast_transpose(Tensor input, Tensor scale, Tensor(a!)? rowwise, Tensor(b!)? columnwise, "
       "Tensor(c!)? amax, Tensor(d!)? scale_inv, int fp8_format) -> ()");
+  m.def(
+      "cast_transpose_current(Tensor input, Tensor amax, float epsilon, Tensor(a!)? rowwise, "
+      "Tensor(b!)? columnwise, Tensor(c!)? scale_inv, int fp8_format) -> ()");
   m.def("transpose_fp8(Tensor input, Tensor(a!) out) -> ()");
   m.def("dequantize(Tensor input, Tensor scale_inv, int fp8_format, Tensor(a!) out) -> ()");
   m.def("amax(Tensor input, Tensor(a!) amax) -> ()");
   m.def(
       "delayed_scaling_update(Tensor(a!) amax_history, Tensor(b!) scale, Tensor(c!) scale_inv, "
       "Tensor fp8_max, int margin, bool use_history_max) -> ()");
+  m.def(
+      "delayed_scaling_update_many(Tensor(a!)[] histories, Tensor(b!)[] scales, "
+      "Tensor(c!)[] scale_invs, float[] fp8_max, int margin, bool use_history_max) -> ()");
 }
 
-#define TPFP8_REGISTER_CAST_OPS(m)           \
-  m.impl("quantize", &quantize);             \
-  m.impl("cast_transpose", &cast_transpose); \
-  m.impl("transpose_fp8", &transpose_fp8);   \
-  m.impl("dequantize", &dequantize);         \
-  m.impl("amax", &amax);                     \
-  m.impl("delayed_scaling_update", &delayed_scaling_update)
+#define TPFP8_REGISTER_CAST_OPS(m)                           \
+  m.impl("quantize", &quantize);                             \
+  m.impl("cast_transpose", &cast_transpose);                 \
+  m.impl("cast_transpose_current", &cast_transpose_current); \
+  m.impl("transpose_fp8", &transpose_fp8);                   \
+  m.impl("dequantize", &dequantize);                         \
+  m.impl("amax", &amax);                                     \
+  m.impl("delayed_scaling_update", &delayed_scaling_update); \
+  m.impl("delayed_scaling_update_many", &delayed_scaling_update_many)
 
 TORCH_LIBRARY_IMPL(tpfp8, CPU, m) { TPFP8_REGISTER_CAST_OPS(m); }
 #if defined(TPFP8_WITH_CUDA)

@@ -18,6 +18,11 @@ void quantize(const at::Tensor& input, const at::Tensor& scale, at::Tensor& out,
 void cast_transpose(const at::Tensor& input, const at::Tensor& scale, const OptTensor& rowwise,
                     const OptTensor& columnwise, const OptTensor& amax, const OptTensor& scale_inv,
                     int64_t fp8_format);
+// cast_transpose with current scaling: the kernel computes the scale from `amax` (already
+// reduced over any group): fp8_max / max(amax, epsilon), 1 for an amax of 0, inf or NaN.
+void cast_transpose_current(const at::Tensor& input, const at::Tensor& amax, double epsilon,
+                            const OptTensor& rowwise, const OptTensor& columnwise,
+                            const OptTensor& scale_inv, int64_t fp8_format);
 void transpose_fp8(const at::Tensor& input, at::Tensor& out);
 void dequantize(const at::Tensor& input, const at::Tensor& scale_inv, int64_t fp8_format,
                 at::Tensor& out);

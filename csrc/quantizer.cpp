@@ -1,18 +1,9 @@
 // Quantizers (quantizer.h) over the cast ops.
 #include "quantizer.h"
 
-#include <cfloat>
-
 #include "ops.h"
 
 namespace tpfp8 {
-
-at::Tensor scale_from_amax(const at::Tensor& amax, Fp8Format format, double epsilon) {
-  const at::Tensor quotient =
-      at::full_like(amax, fp8_max(format)).div_(at::clamp_min(amax, epsilon));
-  const at::Tensor usable = at::isfinite(amax).logical_and_(amax > 0);
-  return at::where(usable, at::clamp_max(quotient, FLT_MAX), at::ones_like(amax));
-}
 
 Fp8Tensor quantize(const at::Tensor& x, const QuantizerSpec& q, bool rowwise, bool columnwise,
                    const Fp8Tensor* into) {
@@ -39,8 +30,7 @@ Fp8Tensor quantize(const at::Tensor& x, const QuantizerSpec& q, bool rowwise, bo
   at::Tensor a = at::zeros({1}, x.options().dtype(at::kFloat));
   amax(x, a);
   if (q.reduce_amax) q.reduce_amax(a);
-  cast_transpose(x, scale_from_amax(a, q.format, q.epsilon), row, col, std::nullopt, out.scale_inv,
-                 fmt);
+  cast_transpose_current(x, a, q.epsilon, row, col, out.scale_inv, fmt);
   return out;
 }
 

@@ -42,8 +42,4 @@ struct QuantizerSpec {
 Fp8Tensor quantize(const at::Tensor& x, const QuantizerSpec& q, bool rowwise, bool columnwise,
                    const Fp8Tensor* into = nullptr);
 
-// Current scaling's scale from an amax, on the amax's device: fp8_max / max(amax, epsilon);
-// 1 when amax is 0 or not finite; FLT_MAX when the quotient overflows.
-at::Tensor scale_from_amax(const at::Tensor& amax, Fp8Format format, double epsilon);
-
 }  // namespace tpfp8

@@ -2,6 +2,8 @@
 // the same input, and compares every output byte. Shared by test_cast and test_cast_transpose.
 #pragma once
 
+#include <optional>
+
 #include "kernels/cast.h"
 #include "test_util.h"
 
@@ -12,9 +14,11 @@ struct CastOutputs {
   float amax = 0.0f, scale_inv = 0.0f;
 };
 
+// With `scale_amax`, the cast takes current scaling's scale from that amax (epsilon 1e-6)
+// instead of `scale`.
 template <typename T>
 CastOutputs cast_on_cpu(const std::vector<T>& in, Shape s, Fp8Format f, float scale, bool row,
-                        bool col) {
+                        bool col, std::optional<float> scale_amax = std::nullopt) {
   CastOutputs o;
   o.rowwise.assign(row ? in.size() : 0, 0xA5);
   o.columnwise.assign(col ? in.size() : 0, 0xA5);
@@ -24,6 +28,7 @@ CastOutputs cast_on_cpu(const std::vector<T>& in, Shape s, Fp8Format f, float sc
   p.rowwise = row ? o.rowwise.data() : nullptr;
   p.columnwise = col ? o.columnwise.data() : nullptr;
   p.amax = &o.amax, p.scale_inv = &o.scale_inv;
+  if (scale_amax) p.scale_amax = &*scale_amax, p.epsilon = 1e-6f;
   cast_cpu(p);
   return o;
 }
@@ -32,17 +37,19 @@ CastOutputs cast_on_cpu(const std::vector<T>& in, Shape s, Fp8Format f, float sc
 // `launcher` is quantize_cuda or cast_transpose_cuda.
 template <typename T, typename Launcher>
 CastOutputs cast_on_gpu(const std::vector<T>& in, Shape s, Fp8Format f, float scale, bool row,
-                        bool col, Launcher launcher) {
+                        bool col, Launcher launcher,
+                        std::optional<float> scale_amax = std::nullopt) {
   DeviceBuffer<T> d_in(in);
   DeviceBuffer<uint8_t> d_row(row ? in.size() : 0), d_col(col ? in.size() : 0);
   DeviceBuffer<float> d_scale(std::vector<float>{scale}), d_amax(std::vector<float>{0.0f}),
-      d_scale_inv(1);
+      d_scale_inv(1), d_scale_amax(std::vector<float>{scale_amax.value_or(0.0f)});
   CastParams p;
   p.input = d_in.get(), p.rows = s.rows, p.cols = s.cols, p.format = f, p.scale = d_scale.get();
   p.dtype = dtype_of<T>();
   p.rowwise = row ? d_row.get() : nullptr;
   p.columnwise = col ? d_col.get() : nullptr;
   p.amax = d_amax.get(), p.scale_inv = d_scale_inv.get();
+  if (scale_amax) p.scale_amax = d_scale_amax.get(), p.epsilon = 1e-6f;
   CastOutputs o;
   EXPECT_EQ(launcher(p, nullptr), cudaSuccess);
   if (row) o.rowwise = d_row.to_host();

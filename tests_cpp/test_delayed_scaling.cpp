@@ -1,6 +1,7 @@
 // Delayed-scaling update (kernels/delayed_scaling.h): the formula and the roll on the CPU
 // reference, and the CUDA kernel's bytes against it.
 #include <cfloat>
+#include <memory>
 
 #include "kernels/delayed_scaling.h"
 #include "test_util.h"
@@ -115,6 +116,66 @@ TEST(DelayedScaling, CudaMatchesCpuBytes) {
         EXPECT_TRUE(same_bytes(si.to_host(), cpu.scale_inv)) << len << "x" << n;
       }
     }
+  }
+#endif
+}
+
+// The batch form over per-tensor buffers: state `st` ([len, n]) split into n tensor-major rows.
+DelayedScalingBatch batch_of(std::vector<std::vector<float>>& rows, std::vector<float>& scale,
+                             std::vector<float>& scale_inv, const State& st, bool use_max) {
+  DelayedScalingBatch b;
+  b.num_tensors = static_cast<int>(st.n), b.history_len = st.len, b.margin = 1;
+  b.use_history_max = use_max;
+  for (int64_t i = 0; i < st.n; ++i) {
+    b.history[i] = rows[i].data(), b.scale[i] = &scale[i], b.scale_inv[i] = &scale_inv[i];
+    b.fp8_max[i] = st.fp8_max[i];
+  }
+  return b;
+}
+
+std::vector<std::vector<float>> tensor_major(const State& st) {
+  std::vector<std::vector<float>> rows(st.n, std::vector<float>(st.len));
+  for (int64_t i = 0; i < st.n; ++i) {
+    for (int64_t r = 0; r < st.len; ++r) rows[i][r] = st.history[r * st.n + i];
+  }
+  return rows;
+}
+
+TEST(DelayedScalingBatch, CpuEqualsTheColumnUpdate) {
+  for (const bool use_max : {true, false}) {
+    State st = random_state(33, 37, 5);
+    auto rows = tensor_major(st);
+    std::vector<float> scale = st.scale, scale_inv(st.n);
+    delayed_scaling_update_batch_cpu(batch_of(rows, scale, scale_inv, st, use_max));
+    delayed_scaling_update_cpu(st.params(st.history.data(), st.scale.data(), st.scale_inv.data(),
+                                         st.fp8_max.data(), 1, use_max));
+    const auto want = tensor_major(st);
+    for (int64_t i = 0; i < st.n; ++i) EXPECT_TRUE(same_bytes(rows[i], want[i])) << i;
+    EXPECT_TRUE(same_bytes(scale, st.scale));
+    EXPECT_TRUE(same_bytes(scale_inv, st.scale_inv));
+  }
+}
+
+TEST(DelayedScalingBatch, CudaMatchesCpuBytes) {
+  TPFP8_REQUIRE_GPU();
+#if defined(TPFP8_WITH_CUDA)
+  for (const int64_t len : {1, 33, 1024}) {
+    const State st = random_state(len, DelayedScalingBatch::kMaxTensors, len);
+    auto rows = tensor_major(st);
+    std::vector<float> scale = st.scale, scale_inv(st.n);
+    std::vector<std::unique_ptr<testing::DeviceBuffer<float>>> d_rows;
+    for (const auto& r : rows) d_rows.push_back(std::make_unique<testing::DeviceBuffer<float>>(r));
+    testing::DeviceBuffer<float> d_scale(scale), d_scale_inv(scale_inv);
+    DelayedScalingBatch b = batch_of(rows, scale, scale_inv, st, true);
+    for (int64_t i = 0; i < st.n; ++i) {
+      b.history[i] = d_rows[i]->get(), b.scale[i] = d_scale.get() + i;
+      b.scale_inv[i] = d_scale_inv.get() + i;
+    }
+    TPFP8_CUDA_OK(delayed_scaling_update_batch_cuda(b, nullptr));
+    delayed_scaling_update_batch_cpu(batch_of(rows, scale, scale_inv, st, true));
+    for (int64_t i = 0; i < st.n; ++i) EXPECT_TRUE(same_bytes(d_rows[i]->to_host(), rows[i])) << i;
+    EXPECT_TRUE(same_bytes(d_scale.to_host(), scale));
+    EXPECT_TRUE(same_bytes(d_scale_inv.to_host(), scale_inv));
   }
 #endif
 }

@@ -25,7 +25,8 @@ def sample(shape, dtype, seed=0):
 
 
 def oracle_cast(x, scale, fmt):
-    v32 = x.float().numpy() * np.float32(scale)  # fp32 product, as the kernels form it
+    with np.errstate(over="ignore"):  # overflow to inf saturates, as in the kernels
+        v32 = x.float().numpy() * np.float32(scale)  # fp32 product, as the kernels form it
     return encode(v32, fmt)
 
 
@@ -96,6 +97,54 @@ def test_delayed_scaling_update_cpu(algo, margin):
     assert torch.equal(hist[1:], h0[:-1]) and torch.all(hist[0] == 0)
 
 
+def oracle_current_scale(amax, fmt, epsilon=0.0):
+    """Current scaling's fp32 scale from an amax, written from its definition."""
+    a = np.float32(amax)
+    if not (np.isfinite(a) and a > 0):
+        return np.float32(1.0)
+    with np.errstate(over="ignore"):
+        s = np.float32(MAX[fmt]) / max(a, np.float32(epsilon))
+    return min(s, np.finfo(np.float32).max)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("amax", [None, 0.0, float("inf"), float("nan"), 1e-45, 3e-3])
+def test_cast_transpose_current_cpu_matches_oracle(dtype, fmt, amax):
+    x = sample((17, 33), dtype, seed=7)
+    x[~torch.isfinite(x)] = 3.0
+    a = float(np.float32(oracle_amax(x))) if amax is None else amax
+    eps = 1e-2 if amax == 3e-3 else 0.0  # epsilon wins over a smaller amax
+    q = ops.cast_transpose_current(x, torch.tensor([a]), fmt, epsilon=eps)
+    scale = oracle_current_scale(a, fmt, eps)
+    np.testing.assert_array_equal(q.rowwise.numpy(), oracle_cast(x, scale, fmt))
+    np.testing.assert_array_equal(q.columnwise.numpy(), oracle_cast(x, scale, fmt).T)
+    assert q.scale_inv.item() == np.float32(1.0) / scale
+
+
+def many_state(n_modules, per_module, history_len, seed):
+    g = torch.Generator().manual_seed(seed)
+    hist = [torch.rand(per_module, history_len, generator=g) * 10 for _ in range(n_modules)]
+    hist[0][0] = 0.0  # an all-zero history keeps its scale
+    hist[-1][0, 1] = float("inf")
+    scales = [torch.rand(per_module, generator=g) + 0.5 for _ in range(n_modules)]
+    return hist, scales, [torch.empty(per_module) for _ in range(n_modules)]
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_delayed_scaling_update_many_equals_one_batched_update(algo):
+    # 70 modules x 2 tensors: more than one launch's worth (96 tensors).
+    hist, scales, scale_invs = many_state(70, 2, 6, seed=3)
+    fp8_max = [MAX["e4m3"], MAX["e5m2"]] * 70
+    want_hist = torch.cat(hist).t().contiguous()
+    want_scale, want_inv = torch.cat(scales), torch.empty(140)
+    ops.delayed_scaling_update(want_hist, want_scale, want_inv, torch.tensor(fp8_max), 2, algo)
+    ops.delayed_scaling_update_many(hist, scales, scale_invs, fp8_max, 2, algo)
+    assert torch.equal(torch.cat(hist).t(), want_hist)
+    assert torch.equal(torch.cat(scales), want_scale)
+    assert torch.equal(torch.cat(scale_invs), want_inv)
+
+
 ERRORS = [
     (lambda: ops.quantize(torch.zeros(4, dtype=torch.float32), torch.ones(1)), "must be 2-D"),
     (lambda: ops.quantize(torch.zeros(4, 4, dtype=torch.int32), torch.ones(1)),
@@ -112,6 +161,17 @@ ERRORS = [
     (lambda: ops.delayed_scaling_update(torch.zeros(4, 2), torch.ones(2), torch.ones(2),
                                         torch.ones(2), amax_compute_algo="mean"),
      "amax_compute_algo"),
+    (lambda: ops.delayed_scaling_update_many([torch.zeros(2, 4)], [torch.ones(2)], [],
+                                             [448.0, 448.0]), "one scale and scale_inv"),
+    (lambda: ops.delayed_scaling_update_many([torch.zeros(2, 4)], [torch.ones(2)],
+                                             [torch.ones(2)], [448.0]), "one value per tensor"),
+    (lambda: ops.delayed_scaling_update_many([torch.zeros(2, 4), torch.zeros(1, 5)],
+                                             [torch.ones(2), torch.ones(1)],
+                                             [torch.ones(2), torch.ones(1)], [448.0] * 3),
+     "must be float32 \\[num_tensors, 4\\]"),
+    (lambda: ops.cast_transpose_current(torch.zeros(4, 4), torch.ones(2)), "one-element float32"),
+    (lambda: ops.cast_transpose_current(torch.zeros(4, 4), torch.ones(1), epsilon=-1.0),
+     "epsilon must be >= 0"),
 ]
 
 
@@ -167,6 +227,32 @@ def test_gpu_cast_ops_equal_cpu_bytes(shape, dtype, fmt):
 
 
 @requires_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_cast_transpose_current_equals_cpu_bytes(dtype, fmt):
+    for shape in GPU_SHAPES:
+        x = sample(shape, dtype, seed=shape[0])
+        amax = ops.amax(x)  # NaN in the sample: scale 1, as the rule says
+        for a in (amax, torch.tensor([2.5e-3]), torch.tensor([1e-45])):
+            cpu, gpu = both(lambda t, m: ops.cast_transpose_current(t, m, fmt, epsilon=1e-6),
+                            x, a)
+            for c, g in zip(cpu, gpu):
+                assert_same_bytes(g, c)
+
+
+@requires_gpu
+def test_gpu_delayed_scaling_update_many_equals_cpu():
+    hist, scales, scale_invs = many_state(70, 2, 1024, seed=4)
+    gpu = [[t.cuda() for t in ts] for ts in (hist, scales, scale_invs)]
+    fp8_max = [MAX["e4m3"], MAX["e5m2"]] * 70
+    ops.delayed_scaling_update_many(hist, scales, scale_invs, fp8_max, 1)
+    ops.delayed_scaling_update_many(*gpu, fp8_max, 1)
+    for cpu_list, gpu_list in zip((hist, scales, scale_invs), gpu):
+        for c, g in zip(cpu_list, gpu_list):
+            assert_same_bytes(g, c)
+
+
+@requires_gpu
 def test_gpu_delayed_scaling_update_equals_cpu():
     g = torch.Generator().manual_seed(2)
     exponents = torch.randint(-20, 20, (1024, 33), generator=g)
@@ -192,11 +278,17 @@ def _opcheck_cases():
         (torch.ops.tpfp8.cast_transpose.default,
          (x, one(2.0), torch.empty(16, 32, dtype=torch.uint8),
           torch.empty(32, 16, dtype=torch.uint8), one(), one(), 1)),
+        (torch.ops.tpfp8.cast_transpose_current.default,
+         (x, one(3.0), 0.0, torch.empty(16, 32, dtype=torch.uint8),
+          torch.empty(32, 16, dtype=torch.uint8), one(), 0)),
         (torch.ops.tpfp8.transpose_fp8.default, (codes, torch.empty(32, 16, dtype=torch.uint8))),
         (torch.ops.tpfp8.dequantize.default, (codes, one(0.5), 0, torch.empty(16, 32))),
         (torch.ops.tpfp8.amax.default, (x, one())),
         (torch.ops.tpfp8.delayed_scaling_update.default,
          (torch.rand(4, 3), torch.ones(3), torch.ones(3), torch.full((3,), 448.0), 0, True)),
+        (torch.ops.tpfp8.delayed_scaling_update_many.default,
+         ([torch.rand(2, 4), torch.rand(1, 4)], [torch.ones(2), torch.ones(1)],
+          [torch.ones(2), torch.ones(1)], [448.0, 448.0, 57344.0], 0, True)),
         (torch.ops.tpfp8.gemm.default,
          (codes, codes, torch.empty(16, 16), one(0.5), one(0.25), 3, 3, None, False, False,
           False, False)),

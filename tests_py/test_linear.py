@@ -413,9 +413,11 @@ def test_return_bias_and_high_precision_main_grad():
 def test_one_update_launch_for_all_modules(monkeypatch):
     from tpfp8 import autocast as ac
     calls = []
-    real = ac.ops.delayed_scaling_update
-    monkeypatch.setattr(ac.ops, "delayed_scaling_update",
-                        lambda *a, **k: (calls.append(a[0].shape), real(*a, **k)))
+    real = ac.ops.delayed_scaling_update_many
+    monkeypatch.setattr(ac.ops, "delayed_scaling_update_many",
+                        lambda *a, **k: (calls.append((a[0][0].shape[1],
+                                                       sum(h.shape[0] for h in a[0]))),
+                                         real(*a, **k)))
     torch.manual_seed(20)
     layers = nn.Sequential(*[tpfp8.Linear(32, 32) for _ in range(5)])
     x = torch.randn(16, 32)

@@ -68,6 +68,9 @@ def emulate(mode, recipe, layer, x, dy, w_full, b_full, high=()):
     """Full (all-rank) y, dx, dW, db of the TP computation with each rank's scales; the GEMMs
     named in `high` (debug's disable_fp8_gemm) in high precision."""
     tp, r = dist.get_world_size(), dist.get_rank()
+    # On the CPU, where the oracle's fake quantization lives.
+    x, dy, w_full = x.cpu(), dy.cpu(), w_full.cpu()
+    b_full = b_full.cpu() if b_full is not None else None
     x2, dy2 = x.reshape(-1, K).double(), dy.reshape(-1, N).double()
     if recipe is None:
         y = x2 @ w_full.double().T + (b_full.double() if b_full is not None else 0)

@@ -30,9 +30,9 @@ int grid_for(int64_t chunks, int blocks_per_sm) {
 
 template <typename T, Fp8Format F>
 __global__ void __launch_bounds__(kThreads)
-    quantize_kernel(const T* __restrict__ in, int64_t n, const float* __restrict__ scale_ptr,
+    quantize_kernel(const T* __restrict__ in, int64_t n, ScaleSource scale_src,
                     uint8_t* __restrict__ out, float* amax, float* scale_inv, bool vec) {
-  const float scale = *scale_ptr;
+  const float scale = scale_src.resolve(F);
   uint32_t local_amax = 0;
   const int64_t chunks = (n + 7) / 8;
   for (int64_t ch = blockIdx.x * int64_t{kThreads} + threadIdx.x; ch < chunks;
@@ -110,12 +110,13 @@ cudaError_t quantize_cuda(const CastParams& p, cudaStream_t stream) {
     const bool vec =
         device::aligned(in, alignof(device::Pack8<T>)) && device::aligned(p.rowwise, 8);
     const int grid = grid_for((n + 7) / 8, 8);
+    const ScaleSource src = scale_source(p);
     if (p.format == Fp8Format::kE4M3) {
       quantize_kernel<T, Fp8Format::kE4M3>
-          <<<grid, kThreads, 0, stream>>>(in, n, p.scale, p.rowwise, p.amax, p.scale_inv, vec);
+          <<<grid, kThreads, 0, stream>>>(in, n, src, p.rowwise, p.amax, p.scale_inv, vec);
     } else {
       quantize_kernel<T, Fp8Format::kE5M2>
-          <<<grid, kThreads, 0, stream>>>(in, n, p.scale, p.rowwise, p.amax, p.scale_inv, vec);
+          <<<grid, kThreads, 0, stream>>>(in, n, src, p.rowwise, p.amax, p.scale_inv, vec);
     }
   });
   return cudaGetLastError();

@@ -14,11 +14,22 @@
 
 namespace tpfp8 {
 
+// Current scaling's scale of a tensor whose amax is known: fp8_max / max(amax, epsilon) in
+// fp32; 1 when amax is 0 or not finite; FLT_MAX when the quotient overflows.
+TPFP8_HD float current_scale(float amax, float epsilon, Fp8Format f) {
+  constexpr float kFloatMax = 3.402823466e38f;
+  if (!(amax > 0.0f) || !(amax <= kFloatMax)) return 1.0f;  // 0, inf or NaN
+  const float s = fp8_max(f) / (amax > epsilon ? amax : epsilon);
+  return s <= kFloatMax ? s : kFloatMax;
+}
+
 // One cast of a [rows, cols] high-precision tensor.
-//   rowwise[r * cols + c]    = encode(input[r, c] * *scale)   (nullptr: not written)
+//   scale: *scale, or with scale_amax current_scale(*scale_amax, epsilon) computed by the
+//          kernel itself (current scaling costs no launch between amax and cast)
+//   rowwise[r * cols + c]    = encode(input[r, c] * scale)    (nullptr: not written)
 //   columnwise[c * rows + r] = the same byte, transposed       (nullptr: not written)
 //   *amax = max(*amax, max |input|)   folded in, NaN-propagating (nullptr: skipped)
-//   *scale_inv = 1 / *scale                                      (nullptr: skipped)
+//   *scale_inv = 1 / scale                                       (nullptr: skipped)
 struct CastParams {
   const void* input = nullptr;
   DType dtype = DType::kFloat32;
@@ -26,11 +37,24 @@ struct CastParams {
   int64_t cols = 0;
   Fp8Format format = Fp8Format::kE4M3;
   const float* scale = nullptr;
+  const float* scale_amax = nullptr;  // set: current scaling from this amax, `scale` unused
+  float epsilon = 0.0f;
   uint8_t* rowwise = nullptr;
   uint8_t* columnwise = nullptr;
   float* amax = nullptr;
   float* scale_inv = nullptr;
 };
+
+// Where a cast kernel takes its scale from (CastParams' scale / scale_amax / epsilon).
+struct ScaleSource {
+  const float* scale = nullptr;
+  const float* amax = nullptr;
+  float epsilon = 0.0f;
+  TPFP8_HD float resolve(Fp8Format f) const {
+    return amax ? current_scale(*amax, epsilon, f) : scale ? *scale : 1.0f;
+  }
+};
+inline ScaleSource scale_source(const CastParams& p) { return {p.scale, p.scale_amax, p.epsilon}; }
 
 // Row-wise only (columnwise must be null): an element-wise pass at full vector width.
 cudaError_t quantize_cuda(const CastParams& p, cudaStream_t stream);

@@ -10,7 +10,7 @@ namespace {
 template <typename T>
 void cast_typed(const CastParams& p) {
   const T* in = static_cast<const T*>(p.input);
-  const float scale = *p.scale;
+  const float scale = scale_source(p).resolve(p.format);
   uint32_t amax = 0;
   for (int64_t r = 0; r < p.rows; ++r) {
     for (int64_t c = 0; c < p.cols; ++c) {

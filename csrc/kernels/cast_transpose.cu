@@ -128,11 +128,11 @@ __device__ void edge_tile(const T* __restrict__ in, const TileArgs& t, uint32_t&
 template <Fp8Format F, typename T>
 __global__ void __launch_bounds__(kThreads)
     tile_transpose_kernel(const T* __restrict__ in, int64_t rows, int64_t cols,
-                          const float* __restrict__ scale_ptr, uint8_t* __restrict__ rowwise,
+                          ScaleSource scale_src, uint8_t* __restrict__ rowwise,
                           uint8_t* __restrict__ columnwise, float* amax, float* scale_inv,
                           bool vec) {
   __shared__ uint32_t smem[kTile * kTileWords];
-  TileArgs t{rows, cols, 0, 0, scale_ptr ? *scale_ptr : 1.0f, rowwise, columnwise};
+  TileArgs t{rows, cols, 0, 0, scale_src.resolve(F), rowwise, columnwise};
   const int64_t tiles_k = (cols + kTile - 1) / kTile;
   const int64_t tiles = tiles_k * ((rows + kTile - 1) / kTile);
   uint32_t local_amax = 0;
@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <Fp8Format F, typename T>
-void launch(const T* in, int64_t rows, int64_t cols, const float* scale, uint8_t* rowwise,
+void launch(const T* in, int64_t rows, int64_t cols, ScaleSource scale, uint8_t* rowwise,
             uint8_t* columnwise, float* amax, float* scale_inv, cudaStream_t stream) {
   // 16-byte loads and column-wise stores, 8-byte row-wise stores: every start aligned.
   const bool vec = rows % 16 == 0 && cols % 8 == 0 &&
@@ -176,10 +176,10 @@ cudaError_t cast_transpose_cuda(const CastParams& p, cudaStream_t stream) {
     using T = decltype(tag);
     const T* in = static_cast<const T*>(p.input);
     if (p.format == Fp8Format::kE4M3) {
-      launch<Fp8Format::kE4M3>(in, p.rows, p.cols, p.scale, p.rowwise, p.columnwise, p.amax,
+      launch<Fp8Format::kE4M3>(in, p.rows, p.cols, scale_source(p), p.rowwise, p.columnwise, p.amax,
                                p.scale_inv, stream);
     } else {
-      launch<Fp8Format::kE5M2>(in, p.rows, p.cols, p.scale, p.rowwise, p.columnwise, p.amax,
+      launch<Fp8Format::kE5M2>(in, p.rows, p.cols, scale_source(p), p.rowwise, p.columnwise, p.amax,
                                p.scale_inv, stream);
     }
   });
@@ -189,7 +189,7 @@ cudaError_t cast_transpose_cuda(const CastParams& p, cudaStream_t stream) {
 cudaError_t transpose_fp8_cuda(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out,
                                cudaStream_t stream) {
   if (rows * cols == 0) return cudaSuccess;
-  launch<Fp8Format::kE4M3>(in, rows, cols, nullptr, nullptr, out, nullptr, nullptr, stream);
+  launch<Fp8Format::kE4M3>(in, rows, cols, ScaleSource{}, nullptr, out, nullptr, nullptr, stream);
   return cudaGetLastError();
 }
 

@@ -30,6 +30,24 @@ struct DelayedScalingParams {
 cudaError_t delayed_scaling_update_cuda(const DelayedScalingParams& p, cudaStream_t stream);
 void delayed_scaling_update_cpu(const DelayedScalingParams& p);
 
+// The same update for tensors whose state lives in separate buffers (each module's own), in
+// one launch: tensor i's history is history[i][0 .. history_len), contiguous, newest first.
+// Passed by value as kernel parameters, so a captured CUDA graph replays it as it is.
+struct DelayedScalingBatch {
+  static constexpr int kMaxTensors = 96;  // keeps the parameters under 4 KB
+  int num_tensors = 0;
+  int64_t history_len = 0;
+  int margin = 0;
+  bool use_history_max = true;
+  float* history[kMaxTensors] = {};
+  float* scale[kMaxTensors] = {};
+  float* scale_inv[kMaxTensors] = {};
+  float fp8_max[kMaxTensors] = {};
+};
+
+cudaError_t delayed_scaling_update_batch_cuda(const DelayedScalingBatch& b, cudaStream_t stream);
+void delayed_scaling_update_batch_cpu(const DelayedScalingBatch& b);
+
 // One tensor's new scale from its amax (shared by the CPU reference and the kernel).
 TPFP8_HD float scale_from_amax(float amax, float old_scale, float fp8_max, int margin) {
   if (!(amax > 0.0f) || !(amax <= 3.402823466e38f)) return old_scale;  // 0, inf or NaN

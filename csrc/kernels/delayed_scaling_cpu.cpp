@@ -1,23 +1,38 @@
 // CPU reference of the delayed-scaling update (delayed_scaling.h).
 #include <algorithm>
-#include <vector>
 
 #include "delayed_scaling.h"
 
 namespace tpfp8 {
 
+namespace {
+
+// One tensor: its history is h[0], h[stride], ... h[(len - 1) * stride].
+void update_one(float* h, int64_t stride, int64_t len, bool use_history_max, float fp8_max,
+                int margin, float* scale, float* scale_inv) {
+  uint32_t amax = float_bits(h[0]);
+  if (use_history_max) {
+    for (int64_t r = 1; r < len; ++r) amax = std::max(amax, float_bits(h[r * stride]));
+  }
+  *scale = scale_from_amax(bits_float(amax), *scale, fp8_max, margin);
+  *scale_inv = 1.0f / *scale;
+  for (int64_t r = len - 1; r > 0; --r) h[r * stride] = h[(r - 1) * stride];
+  h[0] = 0.0f;
+}
+
+}  // namespace
+
 void delayed_scaling_update_cpu(const DelayedScalingParams& p) {
-  const int64_t n = p.num_tensors;
-  for (int64_t i = 0; i < n; ++i) {
-    float* h = p.amax_history + i;  // column i, stride n
-    uint32_t amax = float_bits(h[0]);
-    if (p.use_history_max) {
-      for (int64_t r = 1; r < p.history_len; ++r) amax = std::max(amax, float_bits(h[r * n]));
-    }
-    p.scale[i] = scale_from_amax(bits_float(amax), p.scale[i], p.fp8_max[i], p.margin);
-    p.scale_inv[i] = 1.0f / p.scale[i];
-    for (int64_t r = p.history_len - 1; r > 0; --r) h[r * n] = h[(r - 1) * n];
-    h[0] = 0.0f;
+  for (int64_t i = 0; i < p.num_tensors; ++i) {
+    update_one(p.amax_history + i, p.num_tensors, p.history_len, p.use_history_max, p.fp8_max[i],
+               p.margin, p.scale + i, p.scale_inv + i);
+  }
+}
+
+void delayed_scaling_update_batch_cpu(const DelayedScalingBatch& b) {
+  for (int i = 0; i < b.num_tensors; ++i) {
+    update_one(b.history[i], 1, b.history_len, b.use_history_max, b.fp8_max[i], b.margin,
+               b.scale[i], b.scale_inv[i]);
   }
 }
 

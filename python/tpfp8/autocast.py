@@ -56,8 +56,8 @@ def fp8_autocast(enabled: bool = True, recipe=None, amax_group=None):
 class ScalingMeta:
     """Delayed-scaling state of one direction (forward or backward) of one module: scales and
     their inverses [n], and the amax histories of its n tensors, stored tensor-major
-    (``history[i]`` is tensor i's history, newest first) so that batched updates can write
-    every module back with one multi-tensor copy."""
+    (``history[i]`` is tensor i's history, newest first) so that one batched launch updates
+    every module in place."""
 
     def __init__(self, formats, recipe: DelayedScaling, device):
         n = len(formats)
@@ -66,7 +66,7 @@ class ScalingMeta:
         self.scale = torch.ones(n, device=device)
         self.scale_inv = torch.ones(n, device=device)
         self.history = torch.zeros(n, recipe.amax_history_len, device=device)
-        self.fp8_max = torch.tensor([f.max for f in formats], device=device)
+        self.fp8_max = [float(f.max) for f in formats]
 
     @property
     def amax_history(self) -> torch.Tensor:
@@ -93,26 +93,24 @@ class ScalingMeta:
 
 def update_all(metas) -> None:
     """Rolls the histories and updates the scales of many modules at once: per (device,
-    recipe) a handful of launches whatever the number of modules (concatenate, one
-    delayed_scaling_update, multi-tensor copies back)."""
+    recipe) one launch for up to 96 tensors, reading and writing each module's own buffers;
+    under tensor parallelism one all-reduce of all the modules' amaxes first."""
     groups = {}
     for m in metas:
         key = (m.scale.device, m.recipe.amax_history_len, m.recipe.margin,
                m.recipe.amax_compute_algo, id(m.amax_group))
         groups.setdefault(key, []).append(m)
     for group in groups.values():
-        recipe, sizes = group[0].recipe, [m.scale.numel() for m in group]
-        history = torch.cat([m.history for m in group]).t().contiguous()  # [H, N] for the op
         if group[0].amax_group is not None:  # one collective for all the modules' amaxes
-            dist.all_reduce(history[0], op=dist.ReduceOp.MAX, group=group[0].amax_group)
-        scale = torch.cat([m.scale for m in group])
-        scale_inv = torch.empty_like(scale)
-        ops.delayed_scaling_update(history, scale, scale_inv,
-                                   torch.cat([m.fp8_max for m in group]), recipe.margin,
-                                   recipe.amax_compute_algo)
-        torch._foreach_copy_([m.history for m in group], history.t().contiguous().split(sizes))
-        torch._foreach_copy_([m.scale for m in group], scale.split(sizes))
-        torch._foreach_copy_([m.scale_inv for m in group], scale_inv.split(sizes))
+            newest = [m.history[:, 0] for m in group]
+            amax = torch.cat(newest)
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group[0].amax_group)
+            torch._foreach_copy_(newest, amax.split([m.scale.numel() for m in group]))
+        recipe = group[0].recipe
+        ops.delayed_scaling_update_many([m.history for m in group], [m.scale for m in group],
+                                        [m.scale_inv for m in group],
+                                        [v for m in group for v in m.fp8_max], recipe.margin,
+                                        recipe.amax_compute_algo)
 
 
 def register_forward(meta: ScalingMeta) -> None:

@@ -86,6 +86,7 @@ class Linear(nn.Module):
         # (the debug quantizer's path, shared/seed) instead of gathering FP8 bytes.
         self._quantize_after_gather = False
         self._fwd_meta = None  # delayed scaling state, made on the first FP8 forward
+        self._specs = (None, None)  # (recipe, device), quantizer specs: built once, reused
         self._bwd_meta = None
         self._weight_cache = None
         self.reset_parameters()
@@ -161,6 +162,18 @@ class Linear(nn.Module):
         return self._fwd_meta, self._bwd_meta
 
     def _quantizers(self, recipe, device):
+        """The input, weight and gradient quantizer specs, rebuilt only when the recipe,
+        the device or the delayed-scaling state changes (a forward's CPU time matters)."""
+        key = (recipe, device, self._fwd_meta)
+        if self._specs[0] == key:
+            if self._fwd_meta is not None:
+                self._fwd_meta.recipe = self._bwd_meta.recipe = recipe
+            return self._specs[1]
+        specs = self._build_quantizers(recipe, device)
+        self._specs = ((recipe, device, self._fwd_meta), specs)
+        return specs
+
+    def _build_quantizers(self, recipe, device):
         fwd_fmt, grad_fmt = recipe.formats
         specs = [_C.QuantizerSpec() for _ in range(3)]
         for spec, fmt in zip(specs, (fwd_fmt, fwd_fmt, grad_fmt)):

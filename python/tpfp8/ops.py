@@ -64,6 +64,22 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_format="e4m3", *,
     return Quantized(row, col, amax, scale_inv)
 
 
+def cast_transpose_current(x: torch.Tensor, amax: torch.Tensor, fp8_format="e4m3", *,
+                           epsilon: float = 0.0, rowwise: bool = True, columnwise: bool = True,
+                           scale_inv: Optional[torch.Tensor] = None) -> Quantized:
+    """Current scaling's cast of ``x`` whose ``amax`` is known (e.g. all-reduced over a
+    group): the kernel itself computes ``scale = fp8_max / max(amax, epsilon)`` (1 when amax is
+    0, inf or NaN; the fp32 max when the quotient overflows), so no launch sits between the
+    amax and the cast. Outputs as :func:`cast_transpose`; ``amax`` is returned unchanged."""
+    fmt = Fp8Format.parse(fp8_format)
+    rows, cols = x.shape if x.dim() == 2 else (0, 0)
+    row = torch.empty((rows, cols), dtype=torch.uint8, device=x.device) if rowwise else None
+    col = torch.empty((cols, rows), dtype=torch.uint8, device=x.device) if columnwise else None
+    scale_inv = _scalar(x) if scale_inv is None else scale_inv
+    _ops.cast_transpose_current(x, amax, float(epsilon), row, col, scale_inv, int(fmt))
+    return Quantized(row, col, amax, scale_inv)
+
+
 def transpose_fp8(data: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Transposes 2-D FP8 codes ``[M, K]`` into ``[K, M]``."""
     data = _as_codes(data)
@@ -106,6 +122,21 @@ def delayed_scaling_update(amax_history: torch.Tensor, scale: torch.Tensor,
                          f"{amax_compute_algo!r}")
     _ops.delayed_scaling_update(amax_history, scale, scale_inv, fp8_max, int(margin),
                                 amax_compute_algo == "max")
+
+
+def delayed_scaling_update_many(histories, scales, scale_invs, fp8_max, margin: int = 0,
+                                amax_compute_algo: str = "max") -> None:
+    """:func:`delayed_scaling_update` for state spread over many buffers (every module's own),
+    in one launch per 96 tensors, nothing copied. ``histories[j]`` is fp32
+    ``[n_j, history_len]`` (tensor-major: row i is tensor i's history, newest first),
+    ``scales[j]`` / ``scale_invs[j]`` fp32 ``[n_j]``; ``fp8_max`` one float per tensor, in order.
+    """
+    if amax_compute_algo not in ("max", "most_recent"):
+        raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got "
+                         f"{amax_compute_algo!r}")
+    _ops.delayed_scaling_update_many(list(histories), list(scales), list(scale_invs),
+                                     [float(v) for v in fp8_max], int(margin),
+                                     amax_compute_algo == "max")
 
 
 _GEMM_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
