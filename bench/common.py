@@ -28,10 +28,22 @@ def parse_shapes(text):
     return [tuple(int(v) for v in s.split("x")) for s in text.split(",")]
 
 
-def time_ms(fn, device: str, reps: int, warmup: int = 5) -> float:
-    """Median milliseconds of fn() over `reps` runs, after `warmup` untimed runs."""
+def time_ms(fn, device: str, reps: int, warmup: int = 5, pipelined: bool = False) -> float:
+    """Milliseconds per fn() after `warmup` untimed runs: the median of `reps` runs timed one
+    by one (each waits for the GPU), or with `pipelined` the mean of `reps` back-to-back runs
+    timed together -- the steady state of a training loop, where the CPU queues the next step
+    while the GPU works."""
     for _ in range(warmup):
         fn()
+    if pipelined and device.startswith("cuda"):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / reps
     times = []
     if device.startswith("cuda"):
         torch.cuda.synchronize()

@@ -34,9 +34,9 @@ def main(argv=None):
         off, on = [], []
         for _ in range(3):
             tpfp8.debug.shutdown()
-            off.append(time_ms(step, args.device, args.reps))
+            off.append(time_ms(step, args.device, args.reps, pipelined=True))
             tpfp8.debug.initialize([{"layers": "attention", "features": {"log_stats": {}}}])
-            on.append(time_ms(step, args.device, args.reps))
+            on.append(time_ms(step, args.device, args.reps, pipelined=True))
         tpfp8.debug.shutdown()
         t_off, t_on = min(off), min(on)
         results.append({"m": m, "k": k, "n": n, "off_ms": t_off, "on_ms": t_on})

@@ -64,7 +64,7 @@ def time_steps(args):
                 y = fc2(torch.nn.functional.gelu(fc1(x)))
         y.float().sum().backward()
 
-    times = {name: time_ms(lambda: step(fp8), device, args.reps)
+    times = {name: time_ms(lambda: step(fp8), device, args.reps, pipelined=True)
              for name, fp8 in (("bf16 (Megatron-style)", False), ("tpfp8 FP8", True))}
     if rank == 0:
         base = times["bf16 (Megatron-style)"]
