@@ -2,7 +2,7 @@
 and a torch-native FP8 linear (torch casts + torch._scaled_mm), plus the activation memory
 each keeps for backward.
 
-  python bench/linear.py                       # the issue's shapes, bf16 inputs, on the GPU
+  python bench/linear.py                       # the issue's shapes, bf16 inputs and weights
   python bench/linear.py --shapes 4096x4096x4096
   python bench/linear.py --device cpu --shapes 64x64x64 --reps 2   # smoke run of the script
 """
@@ -49,7 +49,7 @@ class TorchNativeFp8Linear(torch.autograd.Function):
         dx = torch._scaled_mm(dy8, w8.t().contiguous().t(), scale_a=sdy, scale_b=sw,
                               out_dtype=dy.dtype)
         dw = torch._scaled_mm(dy8.t().contiguous(), x8.t().contiguous().t(), scale_a=sdy,
-                              scale_b=sx, out_dtype=torch.float32)
+                              scale_b=sx, out_dtype=dy.dtype)
         return dx, dw
 
 
@@ -57,9 +57,11 @@ def make_cases(m, k, n, device):
     torch.manual_seed(0)
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
-    ours = tpfp8.Linear(k, n, bias=False, device=device)
+    # Every method holds bf16 parameters, as the bf16 baseline does (fp32 master weights live
+    # in the optimizer); gradients come out in bf16 for all of them.
+    ours = tpfp8.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
     bf16 = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
-    w_native = nn.Parameter(torch.randn(n, k, device=device) * 0.02)
+    w_native = nn.Parameter(torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02)
 
     def step(fn):
         def run():

@@ -2,6 +2,7 @@
 // themselves are registered with the dispatcher (torch.ops.tpfp8.*) by the *_ops.cpp files;
 // importing this module loads them.
 #include <pybind11/functional.h>
+#include <pybind11/stl.h>
 #include <torch/extension.h>
 
 #include "linear.h"
@@ -31,6 +32,16 @@ PYBIND11_MODULE(_C, m) {
       .value("NONE", ParallelMode::kNone)
       .value("COLUMN", ParallelMode::kColumn)
       .value("ROW", ParallelMode::kRow);
+  py::class_<DelayedUpdate, std::shared_ptr<DelayedUpdate>>(
+      m, "DelayedUpdate", "A module's gradient scaling state, updated at the end of backward")
+      .def(py::init<>())
+      .def_readwrite("history", &DelayedUpdate::history)
+      .def_readwrite("scale", &DelayedUpdate::scale)
+      .def_readwrite("scale_inv", &DelayedUpdate::scale_inv)
+      .def_readwrite("fp8_max", &DelayedUpdate::fp8_max)
+      .def_readwrite("margin", &DelayedUpdate::margin)
+      .def_readwrite("use_history_max", &DelayedUpdate::use_history_max)
+      .def_readwrite("amax_group", &DelayedUpdate::amax_group);
   py::class_<QuantizerSpec>(m, "QuantizerSpec", "How one tensor of a Linear is quantized")
       .def(py::init<>())
       .def_readwrite("scaling", &QuantizerSpec::scaling)
@@ -38,7 +49,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("scale", &QuantizerSpec::scale)
       .def_readwrite("amax", &QuantizerSpec::amax)
       .def_readwrite("epsilon", &QuantizerSpec::epsilon)
-      .def_readwrite("reduce_amax", &QuantizerSpec::reduce_amax);
+      .def_readwrite("reduce_amax", &QuantizerSpec::reduce_amax)
+      .def_readwrite("after_backward", &QuantizerSpec::after_backward);
   py::class_<DebugOptions>(m, "DebugOptions", "Precision-debugging choices of one Linear call")
       .def(py::init<>())
       .def_readwrite("active", &DebugOptions::active)

@@ -255,8 +255,10 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
       x_gathered =
           all_gather_rows(saves_hp_input(o) ? saved[0] : s->qx.rowwise, *o.tp_group, &x_work);
     }
-    // 2. The gradient: quantized, and gathered along rows under row-parallel SP.
+    // 2. The gradient: quantized, and gathered along rows under row-parallel SP. Delayed
+    //    scaling updates its state once the whole backward pass is done.
     const Prepared g = prepare_grad(dy, o, need_dgrad, need_wgrad);
+    if (o.fp8 && o.grad.after_backward) update_after_backward(o.grad.after_backward);
     // 3. dgrad, then (column parallel) its reduction, in flight during wgrad.
     at::Tensor dx;
     WorkPtr dx_work;

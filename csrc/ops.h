@@ -6,6 +6,7 @@
 #include <torch/types.h>
 
 #include <optional>
+#include <vector>
 
 namespace tpfp8 {
 
@@ -29,6 +30,13 @@ void dequantize(const at::Tensor& input, const at::Tensor& scale_inv, int64_t fp
 void amax(const at::Tensor& input, at::Tensor& amax);
 void delayed_scaling_update(at::Tensor& amax_history, at::Tensor& scale, at::Tensor& scale_inv,
                             const at::Tensor& fp8_max, int64_t margin, bool use_history_max);
+// The same for state spread over many buffers: histories[j] [n_j, H] (tensor-major), one
+// launch per 96 tensors.
+void delayed_scaling_update_many(const std::vector<at::Tensor>& histories,
+                                 const std::vector<at::Tensor>& scales,
+                                 const std::vector<at::Tensor>& scale_invs,
+                                 const std::vector<double>& fp8_max, int64_t margin,
+                                 bool use_history_max);
 // out[M, N] = scales * A . B^T (+ bias) (+ out); types are GemmType codes (kernels/gemm.h).
 void gemm(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, const OptTensor& a_scale_inv,
           const OptTensor& b_scale_inv, int64_t a_type, int64_t b_type, const OptTensor& bias,

@@ -1,6 +1,13 @@
 // Quantizers (quantizer.h) over the cast ops.
 #include "quantizer.h"
 
+#include <ATen/record_function.h>
+#include <torch/csrc/autograd/engine.h>
+
+#include <map>
+#include <mutex>
+#include <tuple>
+
 #include "ops.h"
 
 namespace tpfp8 {
@@ -32,6 +39,75 @@ Fp8Tensor quantize(const at::Tensor& x, const QuantizerSpec& q, bool rowwise, bo
   if (q.reduce_amax) q.reduce_amax(a);
   cast_transpose_current(x, a, q.epsilon, row, col, out.scale_inv, fmt);
   return out;
+}
+
+namespace {
+
+struct PendingUpdates {
+  std::mutex mutex;
+  std::vector<std::shared_ptr<DelayedUpdate>> queue;
+};
+PendingUpdates& pending() {
+  static PendingUpdates* p = new PendingUpdates();  // used until process exit
+  return *p;
+}
+
+// The updates that can share one launch (and one all-reduce).
+using UpdateKey = std::tuple<int, int, int64_t, int64_t, bool, c10d::ProcessGroup*>;
+UpdateKey key_of(const DelayedUpdate& u) {
+  const at::Device d = u.history.device();
+  return {static_cast<int>(d.type()), d.index(), u.history.size(1), u.margin, u.use_history_max,
+          u.amax_group.get()};
+}
+
+void run_updates(const std::vector<std::shared_ptr<DelayedUpdate>>& group) {
+  const DelayedUpdate& first = *group.front();
+  std::vector<at::Tensor> histories, scales, scale_invs, newest;
+  std::vector<double> fp8_max;
+  for (const auto& u : group) {
+    histories.push_back(u->history);
+    scales.push_back(u->scale);
+    scale_invs.push_back(u->scale_inv);
+    newest.push_back(u->history.select(1, 0));
+    fp8_max.insert(fp8_max.end(), u->fp8_max.begin(), u->fp8_max.end());
+  }
+  if (first.amax_group) {  // one collective for all the modules' amaxes
+    at::Tensor amax = at::cat(newest);
+    all_reduce(amax, *first.amax_group, c10d::ReduceOp::MAX);
+    at::_foreach_copy_(newest, amax.split_with_sizes(c10::fmap(
+                                   newest, [](const at::Tensor& t) { return t.size(0); })));
+  }
+  // Named as the op called from Python is, so that profiles (and tests) count both paths.
+  RECORD_FUNCTION("tpfp8::delayed_scaling_update_many", std::vector<c10::IValue>());
+  delayed_scaling_update_many(histories, scales, scale_invs, fp8_max, first.margin,
+                              first.use_history_max);
+}
+
+void run_pending_updates() {
+  std::vector<std::shared_ptr<DelayedUpdate>> queue;
+  {
+    const std::lock_guard<std::mutex> lock(pending().mutex);
+    queue.swap(pending().queue);
+  }
+  std::map<UpdateKey, std::vector<std::shared_ptr<DelayedUpdate>>> groups;
+  for (auto& u : queue) groups[key_of(*u)].push_back(std::move(u));
+  for (const auto& [key, group] : groups) run_updates(group);
+}
+
+}  // namespace
+
+void update_after_backward(const std::shared_ptr<DelayedUpdate>& update) {
+  bool first = false;
+  {
+    const std::lock_guard<std::mutex> lock(pending().mutex);
+    auto& q = pending().queue;
+    for (const auto& u : q) {
+      if (u == update) return;
+    }
+    first = q.empty();
+    q.push_back(update);
+  }
+  if (first) torch::autograd::Engine::get_default_engine().queue_callback(run_pending_updates);
 }
 
 }  // namespace tpfp8

@@ -8,7 +8,10 @@
 #include <torch/types.h>
 
 #include <functional>
+#include <memory>
+#include <vector>
 
+#include "comm.h"
 #include "kernels/fp8_format.h"
 
 namespace tpfp8 {
@@ -23,6 +26,23 @@ struct Fp8Tensor {
 
 enum class Scaling : int { kNone = 0, kDelayed = 1, kCurrent = 2 };
 
+// One module's delayed-scaling state of its backward tensors (the gradient), updated at the
+// end of the backward pass -- history rolled, scales recomputed -- batched with every other
+// module's in one launch, after one all-reduce (MAX) of all their newest amaxes over
+// amax_group when there is one (tensor parallelism). Owned by the module; shared here.
+struct DelayedUpdate {
+  at::Tensor history;           // [n, history_len] fp32, tensor-major, newest first
+  at::Tensor scale, scale_inv;  // [n] fp32
+  std::vector<double> fp8_max;  // [n]
+  int64_t margin = 0;
+  bool use_history_max = true;
+  ProcessGroupPtr amax_group;  // null on a single device
+};
+
+// Queues `update` for the end of the running backward pass (a no-op outside backward; several
+// calls for one state within a pass update it once).
+void update_after_backward(const std::shared_ptr<DelayedUpdate>& update);
+
 struct QuantizerSpec {
   Scaling scaling = Scaling::kNone;
   Fp8Format format = Fp8Format::kE4M3;
@@ -35,6 +55,8 @@ struct QuantizerSpec {
   // an all-reduce MAX so every rank gets the same scale).
   double epsilon = 0.0;
   std::function<void(at::Tensor&)> reduce_amax;
+  // Delayed scaling of a gradient: the state to update once backward is done.
+  std::shared_ptr<DelayedUpdate> after_backward;
 };
 
 // Quantizes a 2-D contiguous tensor. The outputs are fresh tensors unless `into` provides

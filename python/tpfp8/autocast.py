@@ -6,7 +6,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from . import ops
+from . import _C, ops
 from .recipe import CurrentScaling, DelayedScaling
 
 _state = threading.local()
@@ -61,12 +61,37 @@ class ScalingMeta:
 
     def __init__(self, formats, recipe: DelayedScaling, device):
         n = len(formats)
-        self.recipe = recipe
-        self.amax_group = None  # set per step by the module (tensor parallelism)
         self.scale = torch.ones(n, device=device)
         self.scale_inv = torch.ones(n, device=device)
         self.history = torch.zeros(n, recipe.amax_history_len, device=device)
         self.fp8_max = [float(f.max) for f in formats]
+        # The same state for C++, which updates backward metas at the end of backward.
+        self.native = _C.DelayedUpdate()
+        self.native.history, self.native.scale = self.history, self.scale
+        self.native.scale_inv, self.native.fp8_max = self.scale_inv, self.fp8_max
+        self._recipe = self._amax_group = None
+        self.recipe = recipe
+
+    @property
+    def recipe(self) -> DelayedScaling:
+        return self._recipe
+
+    @recipe.setter
+    def recipe(self, recipe: DelayedScaling) -> None:
+        if recipe is not self._recipe:
+            self._recipe = recipe
+            self.native.margin = recipe.margin
+            self.native.use_history_max = recipe.amax_compute_algo == "max"
+
+    @property
+    def amax_group(self):
+        """Process group its amaxes are reduced over (tensor parallelism), or None."""
+        return self._amax_group
+
+    @amax_group.setter
+    def amax_group(self, group) -> None:
+        if group is not self._amax_group:
+            self._amax_group = self.native.amax_group = group
 
     @property
     def amax_history(self) -> torch.Tensor:
@@ -94,11 +119,13 @@ class ScalingMeta:
 def update_all(metas) -> None:
     """Rolls the histories and updates the scales of many modules at once: per (device,
     recipe) one launch for up to 96 tensors, reading and writing each module's own buffers;
-    under tensor parallelism one all-reduce of all the modules' amaxes first."""
+    under tensor parallelism one all-reduce of all the modules' amaxes first. (Backward
+    metas take the same path in C++ at the end of the backward pass.)"""
     groups = {}
     for m in metas:
-        key = (m.scale.device, m.recipe.amax_history_len, m.recipe.margin,
-               m.recipe.amax_compute_algo, id(m.amax_group))
+        r = m.recipe
+        key = (m.scale.device, r.amax_history_len, r.margin, r.amax_compute_algo,
+               id(m.amax_group))
         groups.setdefault(key, []).append(m)
     for group in groups.values():
         if group[0].amax_group is not None:  # one collective for all the modules' amaxes
@@ -106,11 +133,11 @@ def update_all(metas) -> None:
             amax = torch.cat(newest)
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group[0].amax_group)
             torch._foreach_copy_(newest, amax.split([m.scale.numel() for m in group]))
-        recipe = group[0].recipe
-        ops.delayed_scaling_update_many([m.history for m in group], [m.scale for m in group],
-                                        [m.scale_inv for m in group],
-                                        [v for m in group for v in m.fp8_max], recipe.margin,
-                                        recipe.amax_compute_algo)
+        r = group[0].recipe
+        ops._ops.delayed_scaling_update_many(
+            [m.history for m in group], [m.scale for m in group],
+            [m.scale_inv for m in group], [v for m in group for v in m.fp8_max], r.margin,
+            r.amax_compute_algo == "max")
 
 
 def register_forward(meta: ScalingMeta) -> None:
@@ -118,19 +145,3 @@ def register_forward(meta: ScalingMeta) -> None:
     frame = current()
     if frame is not None:
         frame["ran"][id(meta)] = meta
-
-
-_pending_backward = {}
-
-
-def register_backward(meta: ScalingMeta) -> None:
-    """Schedules `meta`'s update for the end of the running backward pass."""
-    if not _pending_backward:
-        torch.autograd.Variable._execution_engine.queue_callback(_update_backward)
-    _pending_backward[id(meta)] = meta
-
-
-def _update_backward() -> None:
-    metas = list(_pending_backward.values())
-    _pending_backward.clear()
-    update_all(metas)

@@ -165,9 +165,7 @@ class Linear(nn.Module):
         """The input, weight and gradient quantizer specs, rebuilt only when the recipe,
         the device or the delayed-scaling state changes (a forward's CPU time matters)."""
         key = (recipe, device, self._fwd_meta)
-        if self._specs[0] == key:
-            if self._fwd_meta is not None:
-                self._fwd_meta.recipe = self._bwd_meta.recipe = recipe
+        if self._specs[0] == key:  # an equal recipe: the metas hold an equal one already
             return self._specs[1]
         specs = self._build_quantizers(recipe, device)
         self._specs = ((recipe, device, self._fwd_meta), specs)
@@ -189,6 +187,7 @@ class Linear(nn.Module):
                                 (specs[2], bwd, 0)):
             spec.scale = meta.scale[col:col + 1]
             spec.amax = meta.amax_slot(col)
+        specs[2].after_backward = bwd.native  # C++ updates it when backward is done
         return specs
 
     def get_extra_state(self):
@@ -270,7 +269,7 @@ class Linear(nn.Module):
             opts.debug = debug
         y = _C.linear(x, weight, bias, opts)
         if frame is not None and isinstance(frame["recipe"], DelayedScaling):
-            self._schedule_updates(y, is_first_microbatch)
+            self._schedule_updates(is_first_microbatch)
         return (y, bias_out) if self.return_bias else y
 
     def _compute_dtype(self, x, in_fp8: bool):
@@ -320,12 +319,9 @@ class Linear(nn.Module):
             opts.main_grad = self.weight.main_grad
             opts.main_grad_overwrite = bool(is_first_microbatch)
 
-    def _schedule_updates(self, y: torch.Tensor, is_first_microbatch) -> None:
+    def _schedule_updates(self, is_first_microbatch) -> None:
         if is_first_microbatch is not False:  # a reused weight cache recorded no new amax
             _autocast.register_forward(self._fwd_meta)
-        if y.requires_grad:
-            bwd = self._bwd_meta
-            y.register_hook(lambda grad: _autocast.register_backward(bwd))
 
 
 def swap_linear(model: nn.Module,
