@@ -17,7 +17,9 @@ import tpfp8  # noqa: E402
 
 
 def main(argv=None):
-    args = make_parser(__doc__, "comma-separated MxKxN list").parse_args(argv)
+    parser = make_parser(__doc__, "comma-separated MxKxN list")
+    parser.set_defaults(reps=200)
+    args = parser.parse_args(argv)
     shapes = parse_shapes(args.shapes) or [(4096, 4096, 4096), (2048, 1024, 1024)]
     rows, results = [], []
     for m, k, n in shapes:
@@ -32,7 +34,7 @@ def main(argv=None):
 
         # Interleave the two settings so clock drift affects both alike.
         off, on = [], []
-        for _ in range(3):
+        for _ in range(5):
             tpfp8.debug.shutdown()
             off.append(time_ms(step, args.device, args.reps, pipelined=True))
             tpfp8.debug.initialize([{"layers": "attention", "features": {"log_stats": {}}}])

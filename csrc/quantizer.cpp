@@ -56,8 +56,8 @@ PendingUpdates& pending() {
 using UpdateKey = std::tuple<int, int, int64_t, int64_t, bool, c10d::ProcessGroup*>;
 UpdateKey key_of(const DelayedUpdate& u) {
   const at::Device d = u.history.device();
-  return {static_cast<int>(d.type()), d.index(), u.history.size(1), u.margin, u.use_history_max,
-          u.amax_group.get()};
+  return {static_cast<int>(d.type()), d.index(),         u.history.size(1), u.margin,
+          u.use_history_max,          u.amax_group.get()};
 }
 
 void run_updates(const std::vector<std::shared_ptr<DelayedUpdate>>& group) {

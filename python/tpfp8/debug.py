@@ -64,6 +64,7 @@ class _State:
     step = 0
     log_dir = None
     records = []
+    matching = {}  # layer name -> matching rules at the current step (a step's regex searches)
 
 
 def _names(value, allowed, what, where):
@@ -128,6 +129,7 @@ def initialize(config, log_dir: Optional[str] = None) -> None:
         raise ValueError("a debug config is a list of rules, or a dict with 'rules': [...]")
     _State.rules = [_parse_rule(r, i) for i, r in enumerate(rules)]
     _State.step, _State.log_dir, _State.records = 0, log_dir, []
+    _State.matching = {}
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
 
@@ -135,6 +137,7 @@ def initialize(config, log_dir: Optional[str] = None) -> None:
 def step() -> None:
     """Advances the debug step counter (call once per training step)."""
     _State.step += 1
+    _State.matching = {}
 
 
 def shutdown() -> None:
@@ -151,7 +154,10 @@ def options_for(layer) -> Optional["_C.DebugOptions"]:
     """The debug options of `layer` at the current step, or None when no rule applies."""
     if not _State.rules:
         return None
-    rules = [r for r in _State.rules if r.applies(layer.name, _State.step)]
+    rules = _State.matching.get(layer.name)
+    if rules is None:  # once per layer name and step: later calls cost one dict lookup
+        rules = [r for r in _State.rules if r.applies(layer.name, _State.step)]
+        _State.matching[layer.name] = rules
     if not rules:
         return None
     d = _C.DebugOptions()
