@@ -8,6 +8,7 @@
 #include <mutex>
 #include <tuple>
 
+#include "device_dispatch.h"
 #include "ops.h"
 
 namespace tpfp8 {
@@ -34,7 +35,11 @@ Fp8Tensor quantize(const at::Tensor& x, const QuantizerSpec& q, bool rowwise, bo
     cast_transpose(x, q.scale, row, col, q.amax, out.scale_inv, fmt);
     return out;
   }
-  at::Tensor a = at::zeros({1}, x.options().dtype(at::kFloat));
+  at::Tensor a = at::empty({1}, x.options().dtype(at::kFloat));
+  // A memset, not at::zeros: no TensorIterator set-up on the CPU, no kernel on the GPU.
+  run_on_device(
+      a, [&] { *a.data_ptr<float>() = 0.0f; },
+      [&](cudaStream_t s) { return cudaMemsetAsync(a.data_ptr(), 0, sizeof(float), s); });
   amax(x, a);
   if (q.reduce_amax) q.reduce_amax(a);
   cast_transpose_current(x, a, q.epsilon, row, col, out.scale_inv, fmt);
