@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds tpfp8 on a GPU machine, runs the GPU tests and the benchmarks, writes logs to $OUT.
-#   OUT=/tmp/out bash bench/device_run.sh [tests|cast|gemm|linear|debug|tp|demo ...]
+#   OUT=/tmp/out bash bench/device_run.sh [gemm|cast|linear|debug|tp|demo|tests ...]
 # (default: all). Each step's wall time goes to the log; JSON/PNG results are packed into
 # $OUT/results.tgz at the end (the device tool returns only a few files).
 # GoogleTest: the GPU machine has no libgtest; copy the sources there first, e.g. from this
@@ -13,7 +13,7 @@ OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 export MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
 export CXX=${TPFP8_CXX:-/usr/bin/g++} CC=${TPFP8_CC:-/usr/bin/gcc}
-steps=${*:-tests cast gemm linear debug tp demo}
+steps=${*:-gemm cast linear debug tp demo tests}
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 log=$OUT/device.log
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$log"
