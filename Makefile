@@ -23,8 +23,8 @@ deps:
 	@command -v cmake >/dev/null && [ -e /usr/include/gtest/gtest.h ] || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake libgtest-dev; }
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "$(TORCH_SPEC)"
-	@$(PYTHON) -c "import numpy, pytest, ninja" 2>/dev/null || \
-	  $(PYTHON) -m pip install -q numpy pytest ninja
+	@$(PYTHON) -c "import numpy, pytest, ninja, yaml" 2>/dev/null || \
+	  $(PYTHON) -m pip install -q numpy pytest ninja pyyaml
 
 build: build-python build-cpp
 

@@ -160,3 +160,20 @@ def test_rules_select_steps():
             lin(torch.randn(16, 32))
         tpfp8.debug.step()
     assert [r["step"] for r in tpfp8.debug.records()] == [1, 3, 5]
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_config_from_a_file(tmp_path, suffix):
+    rule = {"layers": "fc1", "features": {"disable_fp8_gemm": {"gemms": ["fprop"]}}}
+    path = tmp_path / f"debug{suffix}"
+    if suffix == ".json":
+        path.write_text(json.dumps({"rules": [rule]}))
+    else:
+        yaml = pytest.importorskip("yaml", reason="PyYAML is installed by `make test`")
+        path.write_text(yaml.safe_dump({"rules": [rule]}))
+    tpfp8.debug.initialize(str(path))
+    lin = layer(5)
+    x, dy = torch.randn(8, 32), torch.randn(8, 48)
+    y = run(lin, x, dy)[0]
+    want = emulate(x, lin.weight, dy, high=("fprop",))[0]
+    assert rel(y, want) <= 1e-5
