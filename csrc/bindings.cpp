@@ -88,6 +88,9 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("local"), py::arg("spec"), py::arg("group"), py::call_guard<py::gil_scoped_release>(),
       "Sequence-parallel FP8 gather: (gathered row-wise uint8 codes, shared scale_inv)");
+  m.def("update_delayed", &update_delayed, py::arg("updates"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Delayed-scaling update of many modules' states now (one launch per recipe/group)");
   // Without the GIL: forward may wait on a collective while a communication thread needs the
   // GIL to free an earlier Python-owned tensor (a deadlock seen with gloo otherwise).
   m.def("linear", &linear, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("options"),

@@ -82,7 +82,7 @@ void run_updates(const std::vector<std::shared_ptr<DelayedUpdate>>& group) {
     at::_foreach_copy_(newest, amax.split_with_sizes(c10::fmap(
                                    newest, [](const at::Tensor& t) { return t.size(0); })));
   }
-  // Named as the op called from Python is, so that profiles (and tests) count both paths.
+  // Named as the op, so that profiles (and tests) count the launches.
   RECORD_FUNCTION("tpfp8::delayed_scaling_update_many", std::vector<c10::IValue>());
   delayed_scaling_update_many(histories, scales, scale_invs, fp8_max, first.margin,
                               first.use_history_max);
@@ -94,12 +94,16 @@ void run_pending_updates() {
     const std::lock_guard<std::mutex> lock(pending().mutex);
     queue.swap(pending().queue);
   }
-  std::map<UpdateKey, std::vector<std::shared_ptr<DelayedUpdate>>> groups;
-  for (auto& u : queue) groups[key_of(*u)].push_back(std::move(u));
-  for (const auto& [key, group] : groups) run_updates(group);
+  update_delayed(queue);
 }
 
 }  // namespace
+
+void update_delayed(const std::vector<std::shared_ptr<DelayedUpdate>>& updates) {
+  std::map<UpdateKey, std::vector<std::shared_ptr<DelayedUpdate>>> groups;
+  for (const auto& u : updates) groups[key_of(*u)].push_back(u);
+  for (const auto& [key, group] : groups) run_updates(group);
+}
 
 void update_after_backward(const std::shared_ptr<DelayedUpdate>& update) {
   bool first = false;

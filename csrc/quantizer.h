@@ -39,6 +39,10 @@ struct DelayedUpdate {
   ProcessGroupPtr amax_group;  // null on a single device
 };
 
+// Updates now: the states that share a device, recipe and amax_group get one all-reduce and
+// one launch (fp8_autocast's exit calls this for the forward states).
+void update_delayed(const std::vector<std::shared_ptr<DelayedUpdate>>& updates);
+
 // Queues `update` for the end of the running backward pass (a no-op outside backward; several
 // calls for one state within a pass update it once).
 void update_after_backward(const std::shared_ptr<DelayedUpdate>& update);

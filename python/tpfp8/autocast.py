@@ -4,9 +4,8 @@ import contextlib
 import threading
 
 import torch
-import torch.distributed as dist
 
-from . import _C, ops
+from . import _C
 from .recipe import CurrentScaling, DelayedScaling
 
 _state = threading.local()
@@ -65,7 +64,7 @@ class ScalingMeta:
         self.scale_inv = torch.ones(n, device=device)
         self.history = torch.zeros(n, recipe.amax_history_len, device=device)
         self.fp8_max = [float(f.max) for f in formats]
-        # The same state for C++, which updates backward metas at the end of backward.
+        # The same state for C++, which runs every update.
         self.native = _C.DelayedUpdate()
         self.native.history, self.native.scale = self.history, self.scale
         self.native.scale_inv, self.native.fp8_max = self.scale_inv, self.fp8_max
@@ -117,27 +116,11 @@ class ScalingMeta:
 
 
 def update_all(metas) -> None:
-    """Rolls the histories and updates the scales of many modules at once: per (device,
-    recipe) one launch for up to 96 tensors, reading and writing each module's own buffers;
-    under tensor parallelism one all-reduce of all the modules' amaxes first. (Backward
-    metas take the same path in C++ at the end of the backward pass.)"""
-    groups = {}
-    for m in metas:
-        r = m.recipe
-        key = (m.scale.device, r.amax_history_len, r.margin, r.amax_compute_algo,
-               id(m.amax_group))
-        groups.setdefault(key, []).append(m)
-    for group in groups.values():
-        if group[0].amax_group is not None:  # one collective for all the modules' amaxes
-            newest = [m.history[:, 0] for m in group]
-            amax = torch.cat(newest)
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group[0].amax_group)
-            torch._foreach_copy_(newest, amax.split([m.scale.numel() for m in group]))
-        r = group[0].recipe
-        ops._ops.delayed_scaling_update_many(
-            [m.history for m in group], [m.scale for m in group],
-            [m.scale_inv for m in group], [v for m in group for v in m.fp8_max], r.margin,
-            r.amax_compute_algo == "max")
+    """Rolls the histories and updates the scales of many modules at once, in C++ (the path
+    backward's states take at the end of backward): per device, recipe and amax group, one
+    all-reduce of all the newest amaxes (tensor parallelism) and one launch per 96 tensors,
+    on each module's own buffers."""
+    _C.update_delayed([m.native for m in metas])
 
 
 def register_forward(meta: ScalingMeta) -> None:

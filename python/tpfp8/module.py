@@ -86,7 +86,7 @@ class Linear(nn.Module):
         # (the debug quantizer's path, shared/seed) instead of gathering FP8 bytes.
         self._quantize_after_gather = False
         self._fwd_meta = None  # delayed scaling state, made on the first FP8 forward
-        self._specs = (None, None)  # (recipe, device), quantizer specs: built once, reused
+        self._specs = (None, None)  # ((recipe, device, fwd meta), quantizer specs): reused
         self._bwd_meta = None
         self._weight_cache = None
         self.reset_parameters()
