@@ -110,11 +110,13 @@ template <typename T>
 struct Shape {
   int64_t rows, cols;
 };
-// The shapes every kernel is checked at: 1-element, long rows, odd tails, large.
+// The shapes every kernel is checked at: 1-element, long rows, odd tails, large; for the
+// cast-transpose's vector path also one tile cut into bands (16x8, 48x4104: a band partly
+// past the last row) and partial tiles on both edges (4000x4000).
 inline const std::vector<Shape>& kernel_shapes() {
-  static const std::vector<Shape> shapes = {{1, 1},       {1, 4097},    {17, 33},
-                                            {127, 129},   {160, 136},   {64, 256},
-                                            {4096, 4096}, {4096, 4104}, {8191, 129}};
+  static const std::vector<Shape> shapes = {{1, 1},       {1, 4097},    {17, 33},     {127, 129},
+                                            {160, 136},   {64, 256},    {16, 8},      {48, 4104},
+                                            {4000, 4000}, {4096, 4096}, {4096, 4104}, {8191, 129}};
   return shapes;
 }
 

@@ -191,7 +191,8 @@ def test_rejected_call_leaves_buffers_untouched():
 
 # ---- GPU: the CUDA op gives the CPU op's bytes -------------------------------------------
 
-GPU_SHAPES = SHAPES + [(160, 136), (4096, 4096), (4096, 4104), (8191, 129)]
+GPU_SHAPES = SHAPES + [(160, 136), (16, 8), (48, 4104), (4000, 4000), (4096, 4096), (4096, 4104),
+                      (8191, 129)]
 
 
 def both(fn, *tensors):
