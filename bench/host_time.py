@@ -1,0 +1,102 @@
+"""Host (CPU) time per call of tpfp8.Linear beside torch.nn.Linear, at a size where the GPU
+work is negligible, so what is timed is what the host spends issuing it -- the cost that
+decides small and mid-size layers. Parts are timed separately: the forward alone, forward +
+backward, fp8_autocast's enter and exit, and the C++ call with options built once.
+
+  python bench/host_time.py              # on the GPU
+  python bench/host_time.py --profile    # plus a torch.profiler table of one FP8 step
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tpfp8  # noqa: E402
+from tpfp8 import _C  # noqa: E402
+
+
+def per_call_us(fn, device, n=2000, rounds=5):
+    """Best-of-rounds mean wall time per call; the GPU is waited for between rounds only."""
+    for _ in range(100):
+        fn()
+    best = float("inf")
+    for _ in range(rounds):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / n * 1e6)
+    return best
+
+
+def cases(device, size):
+    x = torch.randn(size, size, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    ref = nn.Linear(size, size, bias=False, device=device, dtype=torch.bfloat16)
+    ours = tpfp8.Linear(size, size, bias=False, device=device, dtype=torch.bfloat16)
+    delayed, current = tpfp8.DelayedScaling(), tpfp8.CurrentScaling()
+
+    def fp8(recipe, backward):
+        def run():
+            with tpfp8.fp8_autocast(recipe=recipe):
+                y = ours(x)
+            if backward:
+                y.backward(dy)
+        return run
+
+    def step(mod):
+        return lambda: mod(x).backward(dy)
+
+    def empty_autocast():
+        with tpfp8.fp8_autocast(recipe=delayed):
+            pass
+
+    opts = _C.LinearOptions()
+
+    return {
+        "nn.Linear fwd": lambda: ref(x),
+        "nn.Linear fwd+bwd": step(ref),
+        "tpfp8 high precision fwd": lambda: ours(x),
+        "tpfp8 high precision fwd+bwd": step(ours),
+        "_C.linear high precision fwd": lambda: _C.linear(x, ours.weight, None, opts),
+        "fp8_autocast enter+exit": empty_autocast,
+        "tpfp8 delayed fwd": fp8(delayed, False),
+        "tpfp8 delayed fwd+bwd": fp8(delayed, True),
+        "tpfp8 current fwd": fp8(current, False),
+        "tpfp8 current fwd+bwd": fp8(current, True),
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--size", type=int, default=64, help="M = K = N of the layer")
+    parser.add_argument("--profile", action="store_true", help="profile one delayed FP8 step")
+    args = parser.parse_args(argv)
+    results = {}
+    for name, fn in cases(args.device, args.size).items():
+        results[name] = per_call_us(fn, args.device)
+        print(f"{name:32s} {results[name]:8.1f} us", flush=True)
+    base = results["nn.Linear fwd+bwd"]
+    for name in ("tpfp8 delayed fwd+bwd", "tpfp8 current fwd+bwd"):
+        print(f"{name} / nn.Linear fwd+bwd: {results[name] / base:.2f}x host time")
+    if args.profile:
+        run = cases(args.device, args.size)["tpfp8 delayed fwd+bwd"]
+        for _ in range(20):
+            run()
+        with torch.profiler.profile() as prof:
+            for _ in range(20):
+                run()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+
+
+if __name__ == "__main__":
+    main()
