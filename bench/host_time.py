@@ -74,6 +74,31 @@ def cases(device, size):
     }
 
 
+def primitives(device, size):
+    """Host cost of the pieces a step is made of: an allocation, a torch GEMM, tpfp8's cast
+    and GEMM ops, the delayed-scaling update, and the C++ Linear call with options built."""
+    x = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    u8 = torch.empty(size, size, device=device, dtype=torch.uint8)
+    one = torch.ones(1, device=device)
+    ours = tpfp8.Linear(size, size, bias=False, device=device, dtype=torch.bfloat16)
+    with tpfp8.fp8_autocast(recipe=tpfp8.DelayedScaling()):
+        ours(x)
+        opts = _C.LinearOptions()
+        ours._fp8_options(opts, tpfp8.autocast.current(), x.device, None)
+    meta = ours._fwd_meta
+    gemm = torch.ops.tpfp8.gemm
+    return {
+        "torch.empty": lambda: torch.empty(size, size, device=device),
+        "torch.mm bf16": lambda: torch.mm(x, x),
+        "tpfp8 cast_transpose op": lambda: torch.ops.tpfp8.cast_transpose(
+            x, one, u8, u8, one, one, 0),
+        "tpfp8 FP8 gemm op": lambda: gemm(u8, u8, x, one, one, 3, 3, None, False, True, False,
+                                          False),
+        "_C.update_delayed (1 module)": lambda: _C.update_delayed([meta.native]),
+        "_C.linear FP8 fwd (no grad)": lambda: _C.linear(x, ours.weight, None, opts),
+    }
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -83,6 +108,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     results = {}
     for name, fn in cases(args.device, args.size).items():
+        results[name] = per_call_us(fn, args.device)
+        print(f"{name:32s} {results[name]:8.1f} us", flush=True)
+    print("-- pieces", flush=True)
+    for name, fn in primitives(args.device, args.size).items():
         results[name] = per_call_us(fn, args.device)
         print(f"{name:32s} {results[name]:8.1f} us", flush=True)
     base = results["nn.Linear fwd+bwd"]

@@ -67,16 +67,16 @@ UpdateKey key_of(const DelayedUpdate& u) {
 
 void run_updates(const std::vector<std::shared_ptr<DelayedUpdate>>& group) {
   const DelayedUpdate& first = *group.front();
-  std::vector<at::Tensor> histories, scales, scale_invs, newest;
+  std::vector<at::Tensor> histories, scales, scale_invs;
   std::vector<double> fp8_max;
   for (const auto& u : group) {
     histories.push_back(u->history);
     scales.push_back(u->scale);
     scale_invs.push_back(u->scale_inv);
-    newest.push_back(u->history.select(1, 0));
     fp8_max.insert(fp8_max.end(), u->fp8_max.begin(), u->fp8_max.end());
   }
   if (first.amax_group) {  // one collective for all the modules' amaxes
+    const auto newest = c10::fmap(histories, [](const at::Tensor& h) { return h.select(1, 0); });
     at::Tensor amax = at::cat(newest);
     all_reduce(amax, *first.amax_group, c10d::ReduceOp::MAX);
     at::_foreach_copy_(newest, amax.split_with_sizes(c10::fmap(
