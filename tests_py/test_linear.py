@@ -191,6 +191,27 @@ def test_main_grad_accumulates_over_microbatches():
     assert rel(lin.weight.main_grad, total) <= 1e-6
 
 
+def test_forward_options_are_reused_until_their_inputs_change():
+    """A forward's C++ options are kept between identical calls, and rebuilt when what they
+    are made of changes: a main_grad the user replaced receives the next gradient."""
+    lin, _ = make(seed=12, fuse_wgrad_accumulation=True)
+    x, dy = torch.randn(16, 32), torch.randn(16, 48)
+
+    def step(**kw):
+        with tpfp8.fp8_autocast(recipe=tpfp8.CurrentScaling()):
+            y = lin(x, **kw)
+        y.backward(dy)
+        return lin._options_cache[1]
+
+    first = step()
+    assert step() is first
+    old = lin.weight.main_grad
+    lin.weight.main_grad = torch.zeros_like(old)
+    assert step() is not first
+    assert torch.equal(lin.weight.main_grad * 2, old)  # one gradient here, two in the old one
+    assert step(is_first_microbatch=True) is not step()
+
+
 def test_swap_linear_and_state_dict():
     torch.manual_seed(11)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))

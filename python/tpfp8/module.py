@@ -86,8 +86,8 @@ class Linear(nn.Module):
         # (the debug quantizer's path, shared/seed) instead of gathering FP8 bytes.
         self._quantize_after_gather = False
         self._fwd_meta = None  # delayed scaling state, made on the first FP8 forward
-        self._specs = (None, None)  # ((recipe, device, fwd meta), quantizer specs): reused
         self._bwd_meta = None
+        self._options_cache = (None,)  # (what the options are made of, LinearOptions, refs)
         self._weight_cache = None
         self.reset_parameters()
 
@@ -158,20 +158,12 @@ class Linear(nn.Module):
         if self._fwd_meta is None or not self._fwd_meta.matches(recipe, device):
             self._fwd_meta = _autocast.ScalingMeta([fwd_fmt, fwd_fmt], recipe, device)
             self._bwd_meta = _autocast.ScalingMeta([grad_fmt], recipe, device)
+            self._options_cache = (None,)  # its quantizers point at the old state
         self._fwd_meta.recipe = self._bwd_meta.recipe = recipe
         return self._fwd_meta, self._bwd_meta
 
     def _quantizers(self, recipe, device):
-        """The input, weight and gradient quantizer specs, rebuilt only when the recipe,
-        the device or the delayed-scaling state changes (a forward's CPU time matters)."""
-        key = (recipe, device, self._fwd_meta)
-        if self._specs[0] == key:  # an equal recipe: the metas hold an equal one already
-            return self._specs[1]
-        specs = self._build_quantizers(recipe, device)
-        self._specs = ((recipe, device, self._fwd_meta), specs)
-        return specs
-
-    def _build_quantizers(self, recipe, device):
+        """The input, weight and gradient quantizer specs."""
         fwd_fmt, grad_fmt = recipe.formats
         specs = [_C.QuantizerSpec() for _ in range(3)]
         for spec, fmt in zip(specs, (fwd_fmt, fwd_fmt, grad_fmt)):
@@ -212,10 +204,10 @@ class Linear(nn.Module):
 
     # ---- forward ------------------------------------------------------------------------
 
-    def _check(self, x: torch.Tensor) -> None:
+    def _check(self, x: torch.Tensor, weight: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"Linear expects a tensor, got {type(x).__name__}")
-        k = self.weight.shape[1]
+        k = weight.shape[1]
         if x.dim() < 1 or x.shape[-1] != k:
             per_rank = " per rank" if self.parallel_mode == "row" else ""
             raise ValueError(f"Linear expects input [..., in_features={k}{per_rank}], got "
@@ -225,9 +217,9 @@ class Linear(nn.Module):
                                       "pad the sequence")
         if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"Linear input must be float32, bfloat16 or float16, got {x.dtype}")
-        if x.device != self.weight.device:
+        if x.device != weight.device:
             raise ValueError(f"Linear input is on {x.device} but the module on "
-                             f"{self.weight.device}; move one of them")
+                             f"{weight.device}; move one of them")
 
     def _weight_cache_buffers(self, is_first_microbatch):
         if is_first_microbatch is None:
@@ -249,33 +241,56 @@ class Linear(nn.Module):
         ``is_first_microbatch``: None casts the weight to FP8 every call; True casts and
         caches it; False reuses the cache (the weights must not have changed since).
         """
-        self._check(x)
+        weight = self.weight
+        self._check(x, weight)
         frame = _autocast.current()
-        x, weight, bias = self._compute_dtype(x, in_fp8=frame is not None)
+        x, weight, bias = self._compute_dtype(x, weight, in_fp8=frame is not None)
         bias_out = None
         if self.return_bias:
             bias_out, bias = bias, None
+        opts = self._options(frame, x.device, weight, is_first_microbatch)
+        y = _C.linear(x, weight, bias, opts)
+        if frame is not None and isinstance(frame["recipe"], DelayedScaling):
+            self._schedule_updates(is_first_microbatch)
+        return (y, bias_out) if self.return_bias else y
+
+    def _options(self, frame, device, weight, is_first_microbatch):
+        """The C++ call's options. Building them costs more host time than the rest of a
+        forward's Python, so they are kept and reused while what they are made of stays the
+        same (debugged calls build their own)."""
+        if self.fuse_wgrad_accumulation and weight.requires_grad and getattr(
+                weight, "main_grad", None) is None:
+            weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)
+        debug = _debug.options_for(self)
+        key = (None if frame is None else (frame["recipe"], frame["amax_group"]), device,
+               is_first_microbatch, id(weight), weight.requires_grad,
+               id(getattr(weight, "main_grad", None)), self.save_original_input,
+               self._quantize_after_gather)
+        if debug is None and self._options_cache[0] == key:
+            return self._options_cache[1]
+        opts = self._build_options(frame, device, is_first_microbatch)
+        if debug is None:  # the ids' objects are kept alive, so their ids stay theirs
+            self._options_cache = (key, opts, (weight, getattr(weight, "main_grad", None)))
+        else:
+            opts.debug = debug
+        return opts
+
+    def _build_options(self, frame, device, is_first_microbatch):
         opts = _C.LinearOptions()
         if frame is not None:
-            self._fp8_options(opts, frame, x.device, is_first_microbatch)
+            self._fp8_options(opts, frame, device, is_first_microbatch)
         self._wgrad_options(opts, is_first_microbatch)
         if self.parallel_mode:
             opts.parallel_mode = _PARALLEL[self.parallel_mode]
             opts.sequence_parallel = self.sequence_parallel
             opts.tp_group = self.tp_group
             opts.quantize_after_gather = self._quantize_after_gather
-        debug = _debug.options_for(self)
-        if debug is not None:
-            opts.debug = debug
-        y = _C.linear(x, weight, bias, opts)
-        if frame is not None and isinstance(frame["recipe"], DelayedScaling):
-            self._schedule_updates(is_first_microbatch)
-        return (y, bias_out) if self.return_bias else y
+        return opts
 
-    def _compute_dtype(self, x, in_fp8: bool):
+    def _compute_dtype(self, x, weight, in_fp8: bool):
         """(x, weight, bias) in the dtype the GEMMs run in: torch.autocast's if enabled (the
         FP8 path casts the fp32 master weight itself), else the input's."""
-        weight, bias = self.weight, self.bias
+        bias = self.bias
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
             x = x.to(dtype)
@@ -313,8 +328,6 @@ class Linear(nn.Module):
 
     def _wgrad_options(self, opts, is_first_microbatch) -> None:
         if self.fuse_wgrad_accumulation and self.weight.requires_grad:
-            if getattr(self.weight, "main_grad", None) is None:
-                self.weight.main_grad = torch.zeros_like(self.weight, dtype=torch.float32)
             opts.fuse_wgrad_accumulation = True
             opts.main_grad = self.weight.main_grad
             opts.main_grad_overwrite = bool(is_first_microbatch)
