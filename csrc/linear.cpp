@@ -52,6 +52,15 @@ at::Tensor run_gemm(const Operand& a, const Operand& b, at::Tensor out, const Op
   return out;
 }
 
+// `t` as [-1, cols], contiguous; a 2-D contiguous tensor as it is (no view to make: host time).
+at::Tensor as_matrix(const at::Tensor& t, int64_t cols) {
+  return t.dim() == 2 && t.is_contiguous() ? t : t.reshape({-1, cols}).contiguous();
+}
+// `t` viewed as `shape`, or itself when it has that shape already.
+at::Tensor shaped(const at::Tensor& t, at::IntArrayRef shape) {
+  return t.sizes() == shape ? t : t.view(shape);
+}
+
 // Current scaling of a tensor that is split across the group: the amax is all-reduced (MAX)
 // first, so every rank computes the scale of the whole tensor.
 QuantizerSpec with_group_amax(QuantizerSpec spec, const ProcessGroupPtr& group) {
@@ -191,7 +200,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const OptTensor& bias, const LinearOptions& o, bool grad_enabled) {
     const int64_t n = weight.size(0), k = weight.size(1);
-    const at::Tensor x2 = x.reshape({-1, k}).contiguous();
+    const at::Tensor x2 = as_matrix(x, k);
     auto s = c10::make_intrusive<Saved>();
     s->o = o;
     s->x_shape = x.sizes().vec();
@@ -232,7 +241,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     out_shape.back() = n;
     out_shape[0] = out_shape[0] * y.size(0) / x2.size(0);  // sequence parallel: dim 0 changes
     ctx->save_for_backward({saves_hp_input(o) ? x2 : at::Tensor(), weight});
-    return y.view(out_shape);
+    return shaped(y, out_shape);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -242,7 +251,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& weight = saved[1];
     const int64_t n = weight.size(0), k = weight.size(1);
-    const at::Tensor dy = grads[0].reshape({-1, n}).contiguous();
+    const at::Tensor dy = as_matrix(grads[0], n);
     const bool need_dgrad = ctx->needs_input_grad(0);
     const bool need_wgrad = ctx->needs_input_grad(1) || o.fuse_wgrad_accumulation;
 
@@ -297,7 +306,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
       if (gathers_grad(o)) all_reduce(db, *o.tp_group, c10d::ReduceOp::SUM);
       db = db.to(*s->bias_dtype);
     }
-    return {dx.defined() ? dx.view(s->x_shape) : dx, dw, db, at::Tensor(), at::Tensor()};
+    return {dx.defined() ? shaped(dx, s->x_shape) : dx, dw, db, at::Tensor(), at::Tensor()};
   }
 
  private:
