@@ -121,13 +121,34 @@ def saved_bytes(forward, m, k, device):
     return kept
 
 
+def profile(cases, device):
+    """GPU kernel times of 10 steps of each tpfp8 case (where a step's time goes)."""
+    for name in ("tpfp8 delayed", "tpfp8 current"):
+        fn = cases[name]
+        for _ in range(3):
+            fn()
+        acts = [torch.profiler.ProfilerActivity.CUDA] if device.startswith("cuda") else []
+        with torch.profiler.profile(activities=acts or None) as prof:
+            for _ in range(10):
+                fn()
+        print(f"{name}, 10 steps:")
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12,
+                                        max_name_column_width=60))
+
+
 def main(argv=None):
-    args = make_parser(__doc__, "comma-separated MxKxN list").parse_args(argv)
+    parser = make_parser(__doc__, "comma-separated MxKxN list")
+    parser.add_argument("--profile", action="store_true",
+                        help="print the GPU kernel times of the tpfp8 steps instead of timing")
+    args = parser.parse_args(argv)
     shapes = parse_shapes(args.shapes) or SHAPES
     results, rows = [], []
     for i, (m, k, n) in enumerate(shapes):
         print(f"[{i + 1}/{len(shapes)}] M={m} K={k} N={n} ...", flush=True)
         cases, forwards = make_cases(m, k, n, args.device)
+        if args.profile:  # a profiled process times differently: profile, don't time
+            profile(cases, args.device)
+            continue
         r = {"m": m, "k": k, "n": n}
         for name, fn in cases.items():
             r[name] = {"ms": time_ms(fn, args.device, args.reps, pipelined=True),
@@ -149,6 +170,8 @@ def main(argv=None):
                      f"{mem:.0%}", f"{r['tpfp8 delayed']['sync_speedup_vs_bf16']:.2f}x",
                      f"{r['tpfp8 current']['sync_speedup_vs_bf16']:.2f}x"])
         del cases, forwards
+    if not results:
+        return
     dev = device_name(args.device)
     print(f"\nLinear forward+backward, bf16 input, on {dev} (speed-up = bf16 time / time; "
           f"steady state of back-to-back steps, and each step alone, waited for)")
