@@ -431,6 +431,23 @@ def test_return_bias_and_high_precision_main_grad():
     assert rel(lin.weight.main_grad, ref.weight.grad) <= 1e-6
 
 
+def test_main_grad_under_torch_autocast_lands_on_the_parameter():
+    """torch.autocast gives the GEMM a bf16 copy of the weight; the fp32 main_grad still
+    belongs to (and receives the gradient of) the parameter."""
+    lin, ref = make(seed=20, fuse_wgrad_accumulation=True)
+    x, dy = torch.randn(8, 32), torch.randn(8, 48)
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = lin(x)
+        y.backward(dy.to(y.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_ref = ref(x)
+    y_ref.backward(dy.to(y_ref.dtype))
+    assert lin.weight.grad is None
+    # nn.Linear's dW is rounded to bf16 before it lands in the fp32 .grad; main_grad is not.
+    assert rel(lin.weight.main_grad, 2 * ref.weight.grad) <= 2.0 ** -8
+
+
 def test_one_update_launch_for_all_modules():
     def update_calls(prof):
         return sum(e.name == "tpfp8::delayed_scaling_update_many" for e in prof.events())

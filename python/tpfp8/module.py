@@ -241,23 +241,24 @@ class Linear(nn.Module):
         ``is_first_microbatch``: None casts the weight to FP8 every call; True casts and
         caches it; False reuses the cache (the weights must not have changed since).
         """
-        weight = self.weight
-        self._check(x, weight)
+        param = self.weight
+        self._check(x, param)
         frame = _autocast.current()
-        x, weight, bias = self._compute_dtype(x, weight, in_fp8=frame is not None)
+        x, weight, bias = self._compute_dtype(x, param, in_fp8=frame is not None)
         bias_out = None
         if self.return_bias:
             bias_out, bias = bias, None
-        opts = self._options(frame, x.device, weight, is_first_microbatch)
+        opts = self._options(frame, x.device, param, is_first_microbatch)
         y = _C.linear(x, weight, bias, opts)
         if frame is not None and isinstance(frame["recipe"], DelayedScaling):
             self._schedule_updates(is_first_microbatch)
         return (y, bias_out) if self.return_bias else y
 
     def _options(self, frame, device, weight, is_first_microbatch):
-        """The C++ call's options. Building them costs more host time than the rest of a
-        forward's Python, so they are kept and reused while what they are made of stays the
-        same (debugged calls build their own)."""
+        """The C++ call's options (`weight`: the parameter, not a torch.autocast copy).
+        Building them costs more host time than the rest of a forward's Python, so they are
+        kept and reused while what they are made of stays the same (debugged calls build
+        their own)."""
         if self.fuse_wgrad_accumulation and weight.requires_grad and getattr(
                 weight, "main_grad", None) is None:
             weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)
