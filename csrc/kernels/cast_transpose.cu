@@ -6,7 +6,7 @@
 //   0. is copied global -> shared with cp.async, up to three tiles ahead of the one being
 //      cast, so DRAM reads never wait for the block's stores and barriers (loading a tile into
 //      registers and then working on it, two blocks per SM, reached 82-84 % of a copy's
-//      bandwidth at 8192^2 and up; this, one block per SM, 87-91 %);
+//      bandwidth at 8192^2 and up; this, one block per SM, 85-91 %);
 //   1. each thread casts 8 row segments of 8 elements from shared memory, stores them
 //      row-wise (a warp: 2 rows x 128 B) and into a shared FP8 tile;
 //   2. after a barrier, each thread reads 16 rows x 4 bytes of the FP8 tile, transposes them
