@@ -93,6 +93,7 @@ void run_pending_updates() {
   {
     const std::lock_guard<std::mutex> lock(pending().mutex);
     queue.swap(pending().queue);
+    for (const auto& u : queue) u->queued = false;
   }
   update_delayed(queue);
 }
@@ -109,10 +110,9 @@ void update_after_backward(const std::shared_ptr<DelayedUpdate>& update) {
   bool first = false;
   {
     const std::lock_guard<std::mutex> lock(pending().mutex);
+    if (update->queued) return;  // a flag, not a search: one call per layer per backward
+    update->queued = true;
     auto& q = pending().queue;
-    for (const auto& u : q) {
-      if (u == update) return;
-    }
     first = q.empty();
     q.push_back(update);
   }

@@ -37,6 +37,7 @@ struct DelayedUpdate {
   int64_t margin = 0;
   bool use_history_max = true;
   ProcessGroupPtr amax_group;  // null on a single device
+  bool queued = false;         // waiting for the end of backward (guarded by the queue's lock)
 };
 
 // Updates now: the states that share a device, recipe and amax_group get one all-reduce and

@@ -32,6 +32,21 @@ def _as_codes(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.uint8 or t.element_size() != 1 else t.view(torch.uint8)
 
 
+def _cast_outputs(x: torch.Tensor, rowwise: bool, columnwise: bool, scale_inv):
+    """(row-wise [M, K] codes or None, column-wise [K, M] codes or None, scale_inv) for x."""
+    rows, cols = x.shape if x.dim() == 2 else (0, 0)
+    row = torch.empty((rows, cols), dtype=torch.uint8, device=x.device) if rowwise else None
+    col = torch.empty((cols, rows), dtype=torch.uint8, device=x.device) if columnwise else None
+    return row, col, _scalar(x) if scale_inv is None else scale_inv
+
+
+def _use_history_max(amax_compute_algo: str) -> bool:
+    if amax_compute_algo not in ("max", "most_recent"):
+        raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got "
+                         f"{amax_compute_algo!r}")
+    return amax_compute_algo == "max"
+
+
 def quantize(x: torch.Tensor, scale: torch.Tensor, fp8_format="e4m3", *,
              out: Optional[torch.Tensor] = None, amax: Optional[torch.Tensor] = None,
              scale_inv: Optional[torch.Tensor] = None) -> Quantized:
@@ -55,11 +70,8 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_format="e4m3", *,
     """Casts ``x`` ``[M, K]`` once, writing row-wise ``[M, K]`` and/or column-wise ``[K, M]``
     codes (the column-wise data is the transpose), folding max|x| into ``amax``."""
     fmt = Fp8Format.parse(fp8_format)
-    rows, cols = x.shape if x.dim() == 2 else (0, 0)
-    row = torch.empty((rows, cols), dtype=torch.uint8, device=x.device) if rowwise else None
-    col = torch.empty((cols, rows), dtype=torch.uint8, device=x.device) if columnwise else None
+    row, col, scale_inv = _cast_outputs(x, rowwise, columnwise, scale_inv)
     amax = _scalar(x) if amax is None else amax
-    scale_inv = _scalar(x) if scale_inv is None else scale_inv
     _ops.cast_transpose(x, scale, row, col, amax, scale_inv, int(fmt))
     return Quantized(row, col, amax, scale_inv)
 
@@ -72,10 +84,7 @@ def cast_transpose_current(x: torch.Tensor, amax: torch.Tensor, fp8_format="e4m3
     0, inf or NaN; the fp32 max when the quotient overflows), so no launch sits between the
     amax and the cast. Outputs as :func:`cast_transpose`; ``amax`` is returned unchanged."""
     fmt = Fp8Format.parse(fp8_format)
-    rows, cols = x.shape if x.dim() == 2 else (0, 0)
-    row = torch.empty((rows, cols), dtype=torch.uint8, device=x.device) if rowwise else None
-    col = torch.empty((cols, rows), dtype=torch.uint8, device=x.device) if columnwise else None
-    scale_inv = _scalar(x) if scale_inv is None else scale_inv
+    row, col, scale_inv = _cast_outputs(x, rowwise, columnwise, scale_inv)
     _ops.cast_transpose_current(x, amax, float(epsilon), row, col, scale_inv, int(fmt))
     return Quantized(row, col, amax, scale_inv)
 
@@ -117,11 +126,8 @@ def delayed_scaling_update(amax_history: torch.Tensor, scale: torch.Tensor,
     with amax the max over the history ("max") or row 0 ("most_recent"), kept when amax is
     0 or not finite. The history then rolls one row toward the past and row 0 is zeroed.
     """
-    if amax_compute_algo not in ("max", "most_recent"):
-        raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got "
-                         f"{amax_compute_algo!r}")
     _ops.delayed_scaling_update(amax_history, scale, scale_inv, fp8_max, int(margin),
-                                amax_compute_algo == "max")
+                                _use_history_max(amax_compute_algo))
 
 
 def delayed_scaling_update_many(histories, scales, scale_invs, fp8_max, margin: int = 0,
@@ -131,12 +137,9 @@ def delayed_scaling_update_many(histories, scales, scale_invs, fp8_max, margin: 
     ``[n_j, history_len]`` (tensor-major: row i is tensor i's history, newest first),
     ``scales[j]`` / ``scale_invs[j]`` fp32 ``[n_j]``; ``fp8_max`` one float per tensor, in order.
     """
-    if amax_compute_algo not in ("max", "most_recent"):
-        raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got "
-                         f"{amax_compute_algo!r}")
+    use_history_max = _use_history_max(amax_compute_algo)
     _ops.delayed_scaling_update_many(list(histories), list(scales), list(scale_invs),
-                                     [float(v) for v in fp8_max], int(margin),
-                                     amax_compute_algo == "max")
+                                     [float(v) for v in fp8_max], int(margin), use_history_max)
 
 
 _GEMM_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
