@@ -184,5 +184,25 @@ TEST(CastCuda, AmaxMatchesCpu) {
 #endif
 }
 
+TEST(CastCuda, AmaxOfUnalignedInputTakesTheScalarPath) {
+  TPFP8_REQUIRE_GPU();
+#if defined(TPFP8_WITH_CUDA)
+  // One element past an aligned start: no chunk may be read as one 16-byte access.
+  auto values = random_floats(1 + 4096 * 33, 12, 4.0f);
+  for (auto& v : values) v = std::isnan(v) || std::isinf(v) ? 1.0f : v;
+  values[4096 * 17] = -900.0f;
+  const std::vector<bf16_t> all = convert<bf16_t>(values);
+  const std::vector<bf16_t> shifted(all.begin() + 1, all.end());
+  float cpu = 0.0f;
+  amax_cpu(shifted.data(), DType::kBFloat16, static_cast<int64_t>(shifted.size()), &cpu);
+  DeviceBuffer<bf16_t> d_all(all);
+  DeviceBuffer<float> d_amax(std::vector<float>{0.0f});
+  TPFP8_CUDA_OK(amax_cuda(d_all.get() + 1, DType::kBFloat16, static_cast<int64_t>(shifted.size()),
+                          d_amax.get(), nullptr));
+  EXPECT_TRUE(same_bytes(d_amax.to_host(), std::vector<float>{cpu}));
+  EXPECT_EQ(cpu, 900.0f);
+#endif
+}
+
 }  // namespace
 }  // namespace tpfp8
