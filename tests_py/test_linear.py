@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import tpfp8
+from conftest import requires_gpu
 from fp8_oracle import current_scale, fake_quant
 
 RECIPES = {"delayed": tpfp8.DelayedScaling, "current": tpfp8.CurrentScaling}
@@ -212,6 +213,46 @@ def test_forward_options_are_reused_until_their_inputs_change():
     assert step(is_first_microbatch=True) is not step()
 
 
+def test_module_cast_keeps_fp8_state_and_drops_weight_cache():
+    """.to()/.half()/.cuda() carry the delayed-scaling state along, in fp32, and drop the FP8
+    weight cache (made from the parameters as they were before)."""
+    lin, _ = make(seed=13)
+    x, dy = torch.randn(16, 32), torch.randn(16, 48)
+    for _ in range(3):
+        run(lin, x, dy, tpfp8.fp8_autocast(), is_first_microbatch=True)
+    before = state_of(lin)
+    lin.to(torch.bfloat16)
+    assert lin._fwd_meta.scale.dtype == lin._bwd_meta.amax_history.dtype == torch.float32
+    for a, b in zip(before, state_of(lin)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="is_first_microbatch=True"):
+        with tpfp8.fp8_autocast():
+            lin(x.bfloat16(), is_first_microbatch=False)
+    with tpfp8.fp8_autocast():
+        lin(x.bfloat16(), is_first_microbatch=True)  # refills it
+        lin(x.bfloat16(), is_first_microbatch=False)
+
+
+@requires_gpu
+def test_fp8_state_loaded_on_cpu_follows_module_to_gpu():
+    """load_state_dict on the CPU, then .cuda(): the loaded scales and histories are used and
+    updated on the GPU (they were silently reset before), step for step as on the CPU."""
+    src, _ = make(seed=14)
+    x, dy = torch.randn(16, 32), torch.randn(16, 48)
+    for _ in range(3):
+        run(src, x, dy, tpfp8.fp8_autocast())
+    dst, _ = make(seed=15)
+    dst.load_state_dict(src.state_dict())
+    dst.cuda()
+    for a, b in zip(state_of(src), state_of(dst)):
+        assert b.is_cuda and torch.equal(a, b.cpu())
+    for _ in range(2):
+        run(src, x, dy, tpfp8.fp8_autocast())
+        run(dst, x.cuda(), dy.cuda(), tpfp8.fp8_autocast())
+    for a, b in zip(state_of(src), state_of(dst)):
+        assert torch.equal(a, b.cpu())
+
+
 def test_swap_linear_and_state_dict():
     torch.manual_seed(11)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
@@ -315,7 +356,6 @@ def test_training_parity_with_bf16(recipe):
 # cuBLASLt's FP8 GEMMs accumulate with ~14 mantissa bits between fp32 promotions (see
 # tests_py/test_gemm.py and bench/RESULTS.md), so on the GPU the emulation bound is 1e-3.
 
-from conftest import requires_gpu  # noqa: E402
 
 
 @requires_gpu

@@ -66,8 +66,8 @@ class ScalingMeta:
         self.fp8_max = [float(f.max) for f in formats]
         # The same state for C++, which runs every update.
         self.native = _C.DelayedUpdate()
-        self.native.history, self.native.scale = self.history, self.scale
-        self.native.scale_inv, self.native.fp8_max = self.scale_inv, self.fp8_max
+        self.native.fp8_max = self.fp8_max
+        self._share_with_native()
         self._recipe = self._amax_group = None
         self.recipe = recipe
 
@@ -100,6 +100,16 @@ class ScalingMeta:
     def amax_slot(self, i: int) -> torch.Tensor:
         """Where a cast of tensor i folds its amax: a [1] view of its history."""
         return self.history[i, :1]
+
+    def move_to(self, device) -> None:
+        """The same state on `device` (fp32 kept), for C++ too."""
+        self.scale, self.scale_inv, self.history = (
+            t.to(device) for t in (self.scale, self.scale_inv, self.history))
+        self._share_with_native()
+
+    def _share_with_native(self) -> None:
+        self.native.history, self.native.scale = self.history, self.scale
+        self.native.scale_inv = self.scale_inv
 
     def matches(self, recipe, device) -> bool:
         return (self.history.shape[1] == recipe.amax_history_len

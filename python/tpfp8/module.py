@@ -162,6 +162,19 @@ class Linear(nn.Module):
         self._fwd_meta.recipe = self._bwd_meta.recipe = recipe
         return self._fwd_meta, self._bwd_meta
 
+    def _apply(self, fn, *args, **kwargs):
+        """``.to()``, ``.cuda()``, ``.half()``...: the FP8 state moves with the parameters and
+        stays fp32 (a loaded checkpoint's scales and histories survive ``model.cuda()``), and
+        what was made from the old parameters -- the cached FP8 weight, the prepared C++
+        options -- is dropped: the next ``is_first_microbatch=True`` call refills the cache."""
+        super()._apply(fn, *args, **kwargs)
+        for meta in (self._fwd_meta, self._bwd_meta):
+            if meta is not None:
+                meta.move_to(self.weight.device)
+        self._weight_cache = None
+        self._options_cache = (None,)
+        return self
+
     def _quantizers(self, recipe, device):
         """The input, weight and gradient quantizer specs."""
         fwd_fmt, grad_fmt = recipe.formats
