@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(kThreads)
   while (log_split < 3 && (tiles << (log_split + 1)) <= static_cast<int>(gridDim.x)) ++log_split;
   const int items = tiles << log_split;
   // Items are dealt from the end of the tensor: its tail is what L2 still holds from the pass
-  // that last touched it (current scaling's amax: 26 -> 24 us at 4096^2 bf16).
+  // that last touched it (a cast right after current scaling's amax: 25 -> 23 us at 4096^2 bf16).
   auto at = [&](int item) {
     item = items - 1 - item;
     const int tile = item >> log_split, height = kTile >> log_split;
