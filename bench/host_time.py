@@ -1,7 +1,8 @@
 """Host (CPU) time per call of tpfp8.Linear beside torch.nn.Linear, at a size where the GPU
 work is negligible, so what is timed is what the host spends issuing it -- the cost that
 decides small and mid-size layers. Parts are timed separately: the forward alone, forward +
-backward, fp8_autocast's enter and exit, and the C++ call with options built once.
+backward (a training step: gradients set to None first), fp8_autocast's enter and exit, and
+the C++ call with options built once.
 
   python bench/host_time.py              # on the GPU
   python bench/host_time.py --profile    # plus a torch.profiler table of one FP8 step
@@ -43,8 +44,15 @@ def cases(device, size):
     ours = tpfp8.Linear(size, size, bias=False, device=device, dtype=torch.bfloat16)
     delayed, current = tpfp8.DelayedScaling(), tpfp8.CurrentScaling()
 
+    def clear_grads():
+        # As a training step (and bench/linear.py) does: backward stores the gradients
+        # instead of adding them to last step's.
+        x.grad = ref.weight.grad = ours.weight.grad = None
+
     def fp8(recipe, backward):
         def run():
+            if backward:
+                clear_grads()
             with tpfp8.fp8_autocast(recipe=recipe):
                 y = ours(x)
             if backward:
@@ -52,7 +60,10 @@ def cases(device, size):
         return run
 
     def step(mod):
-        return lambda: mod(x).backward(dy)
+        def run():
+            clear_grads()
+            mod(x).backward(dy)
+        return run
 
     def empty_autocast():
         with tpfp8.fp8_autocast(recipe=delayed):
