@@ -1,5 +1,8 @@
 """tpfp8.Linear on one device: against nn.Linear outside FP8, against an independent float64
 emulation of the FP8 casts inside it, delayed-scaling bookkeeping, caches, errors, training."""
+import copy
+import io
+
 import numpy as np
 import pytest
 import torch
@@ -231,6 +234,31 @@ def test_module_cast_keeps_fp8_state_and_drops_weight_cache():
     with tpfp8.fp8_autocast():
         lin(x.bfloat16(), is_first_microbatch=True)  # refills it
         lin(x.bfloat16(), is_first_microbatch=False)
+
+
+def test_deepcopy_and_pickle_after_fp8_steps():
+    """copy.deepcopy (EMA copies, AveragedModel) and torch.save of the whole module work after
+    FP8 steps; a copy owns its state and steps from it exactly as the original does."""
+    lin, _ = make(seed=16)
+    x, dy = torch.randn(16, 32), torch.randn(16, 48)
+    for _ in range(2):
+        run(lin, x, dy, tpfp8.fp8_autocast())
+    buf = io.BytesIO()
+    torch.save(lin, buf)
+    buf.seek(0)
+    for twin in (copy.deepcopy(lin), torch.load(buf, weights_only=False)):
+        for a, b in zip(state_of(lin), state_of(twin)):
+            assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
+    twin = copy.deepcopy(lin)
+    before = state_of(lin)
+    got = run(twin, x, dy, tpfp8.fp8_autocast())
+    assert all(torch.equal(a, b) for a, b in zip(before, state_of(lin)))  # the original: still
+    assert not all(torch.equal(a, b) for a, b in zip(before, state_of(twin)))
+    want = run(lin, x, dy, tpfp8.fp8_autocast())
+    for u, v in zip(want, got):
+        assert torch.equal(u, v)
+    for a, b in zip(state_of(lin), state_of(twin)):
+        assert torch.equal(a, b)
 
 
 @requires_gpu

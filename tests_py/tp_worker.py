@@ -17,6 +17,7 @@ run of every mode. Prints "TP OK <n> checks" and exits 0 when everything holds.
 
   torchrun --nproc_per_node=2 tests_py/tp_worker.py   (TP_DEVICE=cuda to run on the GPU)
 """
+import copy
 import datetime
 import itertools
 import os
@@ -269,6 +270,28 @@ def check_quantize_after_gather(group):
             assert torch.equal(a, b), f"quantize-after-gather differs (save={save_orig})"
 
 
+def check_deepcopy(group):
+    """copy.deepcopy of a tensor-parallel layer after FP8 steps: the copy shares the process
+    groups (a ProcessGroup cannot be copied), owns its FP8 state, and steps as the original."""
+    global checks
+    recipe = tpfp8.DelayedScaling(amax_history_len=4)
+    for mode, sp in itertools.product(("column", "row"), (False, True)):
+        torch.manual_seed(8)
+        layer = tpfp8.Linear(K, N, parallel_mode=mode, tp_group=group, sequence_parallel=sp,
+                             device=DEVICE)
+        full_x, full_dy = torch.randn(S, B, K, device=DEVICE), torch.randn(S, B, N, device=DEVICE)
+        step_tp(layer, mode, sp, group, full_x, full_dy, recipe)
+        twin = copy.deepcopy(layer)
+        assert twin.tp_group is group and twin._fwd_meta.amax_group is layer._fwd_meta.amax_group
+        assert twin._fwd_meta.history.data_ptr() != layer._fwd_meta.history.data_ptr()
+        for a, b in zip(step_tp(layer, mode, sp, group, full_x, full_dy, recipe),
+                        step_tp(twin, mode, sp, group, full_x, full_dy, recipe)):
+            checks += 1
+            assert torch.equal(a, b), f"deepcopy of a {mode} layer (sp={sp}) steps differently"
+        checks += 1
+        assert torch.equal(layer._fwd_meta.history, twin._fwd_meta.history)
+
+
 def step_tp(layer, mode, sp, group, full_x, full_dy, recipe):
     """One forward + backward of a TP layer on the full data; returns full (y, dx, dW)."""
     x, dy = local_view(mode, sp, group, full_x, full_dy)
@@ -369,6 +392,7 @@ def main():
     check_quantize_after_gather(group)
     check_debug_seed_case(group)
     check_debug_disable_fp8_gemm(group)
+    check_deepcopy(group)
     recipes = [None, tpfp8.DelayedScaling(amax_history_len=4), tpfp8.CurrentScaling()]
     for mode, sp, recipe, save_orig, bias in itertools.product(
             ("column", "row"), (False, True), recipes, (False, True), (True, False)):

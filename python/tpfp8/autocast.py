@@ -64,12 +64,25 @@ class ScalingMeta:
         self.scale_inv = torch.ones(n, device=device)
         self.history = torch.zeros(n, recipe.amax_history_len, device=device)
         self.fp8_max = [float(f.max) for f in formats]
-        # The same state for C++, which runs every update.
+        self._make_native(recipe, None)
+
+    def _make_native(self, recipe, amax_group) -> None:
+        """The same state for C++, which runs every update: views of these tensors."""
         self.native = _C.DelayedUpdate()
         self.native.fp8_max = self.fp8_max
         self._share_with_native()
         self._recipe = self._amax_group = None
-        self.recipe = recipe
+        self.recipe, self.amax_group = recipe, amax_group
+
+    # Pickling and copy.deepcopy: the tensors travel, the C++ view of them is made anew.
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        del state["native"]
+        return state
+
+    def __setstate__(self, state) -> None:
+        self.__dict__.update(state)
+        self._make_native(state["_recipe"], state["_amax_group"])
 
     @property
     def recipe(self) -> DelayedScaling:

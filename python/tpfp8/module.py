@@ -1,6 +1,7 @@
 """``tpfp8.Linear``: a drop-in ``torch.nn.Linear`` whose three GEMMs run in FP8 inside
 ``fp8_autocast``. All math happens in C++ (csrc/linear.cpp); this file holds the module's
 parameters and FP8 state and translates them into the C++ call."""
+import copy
 import math
 from typing import Callable, Optional
 
@@ -161,6 +162,25 @@ class Linear(nn.Module):
             self._options_cache = (None,)  # its quantizers point at the old state
         self._fwd_meta.recipe = self._bwd_meta.recipe = recipe
         return self._fwd_meta, self._bwd_meta
+
+    def __getstate__(self):
+        """Pickling and copy.deepcopy (an EMA copy, ``AveragedModel``): the prepared C++
+        options are a cache, made again by the next forward, and do not pickle."""
+        state = self.__dict__.copy()
+        state["_options_cache"] = (None,)
+        return state
+
+    def __deepcopy__(self, memo):
+        # A copy computes over the same process groups: they are shared, not copied (a
+        # ProcessGroup cannot be).
+        metas = (m for m in (self._fwd_meta, self._bwd_meta) if m is not None)
+        for group in (self.tp_group, *(m.amax_group for m in metas)):
+            if group is not None:
+                memo[id(group)] = group
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return new
 
     def _apply(self, fn, *args, **kwargs):
         """``.to()``, ``.cuda()``, ``.half()``...: the FP8 state moves with the parameters and
