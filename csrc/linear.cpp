@@ -81,6 +81,8 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, const OptTensor
               " but its weight is on ", weight.device(), "; move the input (or the module)");
   TORCH_CHECK(!bias || bias->device() == weight.device(), "bias is on ", bias->device(),
               " but the weight on ", weight.device());
+  TORCH_CHECK(o.parallel_mode == ParallelMode::kNone ? !o.sequence_parallel : bool(o.tp_group),
+              "tensor parallelism needs tp_group, and sequence_parallel needs a parallel_mode");
   if (o.fp8) {
     TORCH_CHECK(k % kFp8Multiple == 0 && n % kFp8Multiple == 0,
                 "FP8 Linear needs in_features and out_features to be multiples of 16 (FP8 "
@@ -185,6 +187,13 @@ bool gathers_input(const LinearOptions& o) {
 bool gathers_grad(const LinearOptions& o) {
   return o.parallel_mode == ParallelMode::kRow && o.sequence_parallel;
 }
+// Dim 0 of the output for an input's dim 0: sequence parallelism gathers it (column) or
+// scatters it (row) over the group. (Not from the rows of y and x: there may be none.)
+int64_t output_dim0(int64_t x_dim0, const LinearOptions& o) {
+  if (!o.sequence_parallel) return x_dim0;
+  const int64_t tp = o.tp_group->getSize();
+  return o.parallel_mode == ParallelMode::kColumn ? x_dim0 * tp : x_dim0 / tp;
+}
 // Whether backward keeps the high-precision input (re-quantized, used as it is, or reported).
 bool saves_hp_input(const LinearOptions& o) {
   return !o.fp8 || o.save_original_input || o.debug.active;
@@ -239,7 +248,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     ctx->saved_data["state"] = c10::IValue::make_capsule(s);
     std::vector<int64_t> out_shape = s->x_shape;
     out_shape.back() = n;
-    out_shape[0] = out_shape[0] * y.size(0) / x2.size(0);  // sequence parallel: dim 0 changes
+    out_shape[0] = output_dim0(out_shape[0], o);
     ctx->save_for_backward({saves_hp_input(o) ? x2 : at::Tensor(), weight});
     return shaped(y, out_shape);
   }
@@ -295,7 +304,11 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
       const bool accumulate = o.fuse_wgrad_accumulation && !o.main_grad_overwrite;
       at::Tensor out =
           o.fuse_wgrad_accumulation ? o.main_grad : at::empty({n, k}, weight.options());
-      run_gemm(dy_op, x_op, out, std::nullopt, false, accumulate);
+      if (dy.size(0) > 0) {
+        run_gemm(dy_op, x_op, out, std::nullopt, false, accumulate);
+      } else if (!accumulate) {
+        out.zero_();  // no tokens: an empty sum (cuBLASLt has no GEMM with K = 0)
+      }
       if (!o.fuse_wgrad_accumulation) dw = out;
     }
     wait(dx_work);

@@ -281,6 +281,35 @@ def test_fp8_state_loaded_on_cpu_follows_module_to_gpu():
         assert torch.equal(a, b.cpu())
 
 
+def check_no_tokens(device, recipe):
+    """Zero tokens, as nn.Linear takes them: empty outputs and dx, zero dW and db, main_grad
+    overwritten with zeros or left as it is, delayed-scaling state still finite."""
+    lin, ref = make(seed=17)
+    fused, _ = make(seed=17, fuse_wgrad_accumulation=True)
+    lin, ref, fused = lin.to(device), ref.to(device), fused.to(device)
+    for shape in [(0, 32), (3, 0, 32)]:
+        x = torch.randn(*shape, device=device)
+        ctx = tpfp8.fp8_autocast(enabled=recipe is not None, recipe=recipe)
+        got = run(lin, x, torch.randn(*shape[:-1], 48, device=device), ctx)
+        want = run(ref, x, torch.randn(*shape[:-1], 48, device=device))
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and torch.equal(g, w)
+        for first, value in ((True, 0.0), (False, 1.0)):
+            fused.weight.main_grad = torch.ones(48, 32, device=device)
+            with tpfp8.fp8_autocast(enabled=recipe is not None, recipe=recipe):
+                y = fused(x.clone().requires_grad_(True), is_first_microbatch=first)
+            y.sum().backward()
+            assert torch.equal(fused.weight.main_grad, torch.full_like(fused.weight, value))
+    for meta in (lin._fwd_meta, lin._bwd_meta):
+        assert meta is None or bool(torch.isfinite(meta.scale).all())
+
+
+@pytest.mark.parametrize("recipe", [None, tpfp8.DelayedScaling(), tpfp8.CurrentScaling()],
+                         ids=["high precision", "delayed", "current"])
+def test_no_tokens(recipe):
+    check_no_tokens("cpu", recipe)
+
+
 def test_swap_linear_and_state_dict():
     torch.manual_seed(11)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
@@ -430,6 +459,13 @@ def test_gpu_forward_backward_never_syncs(recipe):
             _step(lin, x, dy, recipe)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@requires_gpu
+@pytest.mark.parametrize("recipe", [None, tpfp8.DelayedScaling(), tpfp8.CurrentScaling()],
+                         ids=["high precision", "delayed", "current"])
+def test_gpu_no_tokens(recipe):
+    check_no_tokens("cuda", recipe)
 
 
 @requires_gpu
