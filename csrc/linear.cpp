@@ -101,8 +101,15 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, const OptTensor
   }
   if (o.fuse_wgrad_accumulation) {
     TORCH_CHECK(o.main_grad.defined() && o.main_grad.scalar_type() == at::kFloat &&
-                    o.main_grad.sizes() == weight.sizes(),
-                "fuse_wgrad_accumulation needs weight.main_grad as float32 ", weight.sizes());
+                    o.main_grad.sizes() == weight.sizes() &&
+                    o.main_grad.device() == weight.device(),
+                "fuse_wgrad_accumulation needs weight.main_grad as float32 ", weight.sizes(),
+                " on the weight's device ", weight.device());
+  }
+  if (o.parallel_mode == ParallelMode::kRow && o.sequence_parallel) {
+    const int64_t tp = o.tp_group->getSize();
+    TORCH_CHECK(x.size(0) % tp == 0, "row-parallel sequence parallelism splits dim 0 (", x.size(0),
+                ") over ", tp, " ranks: pad the sequence");
   }
 }
 

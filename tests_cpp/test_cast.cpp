@@ -184,6 +184,31 @@ TEST(CastCuda, AmaxMatchesCpu) {
 #endif
 }
 
+TEST(CastCuda, AmaxFindsOneOutlierAnywhere) {
+  TPFP8_REQUIRE_GPU();
+#if defined(TPFP8_WITH_CUDA)
+  // A thread keeps several loads in flight, each over its own stretch of the tensor: one
+  // outlier at positions spread over all of it, then in the scalar tail (n % 8 == 5).
+  const int64_t n = int64_t{4096} * 4096 + 5;
+  const bf16_t plain = to_bf16(0.5f), outlier = to_bf16(-96.0f);
+  DeviceBuffer<bf16_t> d_in(std::vector<bf16_t>(n, plain));
+  DeviceBuffer<float> d_amax(1);
+  std::vector<int64_t> positions;
+  for (int64_t i = 0; i < 256; ++i) positions.push_back(i * (n / 256) + i % 8);
+  for (int64_t i = n - 8; i < n; ++i) positions.push_back(i);
+  const float zero = 0.0f;
+  for (const int64_t pos : positions) {
+    ASSERT_EQ(cudaMemcpy(d_in.get() + pos, &outlier, sizeof(bf16_t), cudaMemcpyHostToDevice),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(d_amax.get(), &zero, sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+    TPFP8_CUDA_OK(amax_cuda(d_in.get(), DType::kBFloat16, n, d_amax.get(), nullptr));
+    EXPECT_EQ(d_amax.to_host()[0], 96.0f) << "outlier at " << pos << " of " << n;
+    ASSERT_EQ(cudaMemcpy(d_in.get() + pos, &plain, sizeof(bf16_t), cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+#endif
+}
+
 TEST(CastCuda, AmaxOfUnalignedInputTakesTheScalarPath) {
   TPFP8_REQUIRE_GPU();
 #if defined(TPFP8_WITH_CUDA)

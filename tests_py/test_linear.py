@@ -246,19 +246,38 @@ def test_deepcopy_and_pickle_after_fp8_steps():
     buf = io.BytesIO()
     torch.save(lin, buf)
     buf.seek(0)
-    for twin in (copy.deepcopy(lin), torch.load(buf, weights_only=False)):
-        for a, b in zip(state_of(lin), state_of(twin)):
-            assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
-    twin = copy.deepcopy(lin)
     before = state_of(lin)
-    got = run(twin, x, dy, tpfp8.fp8_autocast())
-    assert all(torch.equal(a, b) for a, b in zip(before, state_of(lin)))  # the original: still
-    assert not all(torch.equal(a, b) for a, b in zip(before, state_of(twin)))
+    for twin in (copy.deepcopy(lin), torch.load(buf, weights_only=False)):
+        assert twin._fwd_meta.history.data_ptr() != lin._fwd_meta.history.data_ptr()
+        for a, b in zip(before, state_of(twin)):
+            assert torch.equal(a, b)
+        got = run(twin, x, dy, tpfp8.fp8_autocast())
+        assert all(torch.equal(a, b) for a, b in zip(before, state_of(lin)))  # not the original
+        assert not all(torch.equal(a, b) for a, b in zip(before, state_of(twin)))
+        twin_state = state_of(twin)
     want = run(lin, x, dy, tpfp8.fp8_autocast())
     for u, v in zip(want, got):
         assert torch.equal(u, v)
-    for a, b in zip(state_of(lin), state_of(twin)):
+    for a, b in zip(state_of(lin), twin_state):
         assert torch.equal(a, b)
+
+
+def test_module_move_keeps_weight_cache_when_nothing_changed_and_moves_main_grad():
+    """A .to() that changes nothing keeps the FP8 weight cache; a move takes main_grad along,
+    as nn.Module does .grad."""
+    lin, _ = make(seed=18, fuse_wgrad_accumulation=True)
+    x = torch.randn(16, 32)
+    with tpfp8.fp8_autocast():
+        lin(x, is_first_microbatch=True).sum().backward()
+    lin.to("cpu")  # the same device and dtype: nothing was made from other parameters
+    with tpfp8.fp8_autocast():
+        lin(x, is_first_microbatch=False)
+    lin.to("meta")  # another device (the only other one a CPU has): new Parameter objects
+    assert lin.weight.main_grad.device.type == lin._fwd_meta.scale.device.type == "meta"
+    assert lin.weight.main_grad.dtype == torch.float32 and lin._weight_cache is None
+    plain, _ = make(seed=18)
+    plain.to("meta")  # no main_grad: none appears
+    assert getattr(plain.weight, "main_grad", None) is None
 
 
 @requires_gpu

@@ -282,12 +282,13 @@ def check_deepcopy(group):
         full_x, full_dy = torch.randn(S, B, K, device=DEVICE), torch.randn(S, B, N, device=DEVICE)
         step_tp(layer, mode, sp, group, full_x, full_dy, recipe)
         twin = copy.deepcopy(layer)
-        assert twin.tp_group is group and twin._fwd_meta.amax_group is layer._fwd_meta.amax_group
+        assert twin.tp_group is group
         assert twin._fwd_meta.history.data_ptr() != layer._fwd_meta.history.data_ptr()
         for a, b in zip(step_tp(layer, mode, sp, group, full_x, full_dy, recipe),
                         step_tp(twin, mode, sp, group, full_x, full_dy, recipe)):
             checks += 1
             assert torch.equal(a, b), f"deepcopy of a {mode} layer (sp={sp}) steps differently"
+        assert twin._fwd_meta.amax_group is layer._fwd_meta.amax_group  # set by the forward
         checks += 1
         assert torch.equal(layer._fwd_meta.history, twin._fwd_meta.history)
 

@@ -74,10 +74,12 @@ class ScalingMeta:
         self._recipe = self._amax_group = None
         self.recipe, self.amax_group = recipe, amax_group
 
-    # Pickling and copy.deepcopy: the tensors travel, the C++ view of them is made anew.
+    # Pickling and copy.deepcopy: the tensors travel, the C++ view of them is made anew, and
+    # the amax group (every FP8 forward sets it again; a ProcessGroup does not pickle) stays.
     def __getstate__(self):
         state = self.__dict__.copy()
         del state["native"]
+        state["_amax_group"] = None
         return state
 
     def __setstate__(self, state) -> None:

@@ -166,17 +166,15 @@ class Linear(nn.Module):
     def __getstate__(self):
         """Pickling and copy.deepcopy (an EMA copy, ``AveragedModel``): the prepared C++
         options are a cache, made again by the next forward, and do not pickle."""
-        state = self.__dict__.copy()
+        state = super().__getstate__().copy()
         state["_options_cache"] = (None,)
         return state
 
     def __deepcopy__(self, memo):
-        # A copy computes over the same process groups: they are shared, not copied (a
+        # A copy computes over the same tensor-parallel group: shared, not copied (a
         # ProcessGroup cannot be).
-        metas = (m for m in (self._fwd_meta, self._bwd_meta) if m is not None)
-        for group in (self.tp_group, *(m.amax_group for m in metas)):
-            if group is not None:
-                memo[id(group)] = group
+        if self.tp_group is not None:
+            memo[id(self.tp_group)] = self.tp_group
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
@@ -184,16 +182,32 @@ class Linear(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         """``.to()``, ``.cuda()``, ``.half()``...: the FP8 state moves with the parameters and
-        stays fp32 (a loaded checkpoint's scales and histories survive ``model.cuda()``), and
-        what was made from the old parameters -- the cached FP8 weight, the prepared C++
-        options -- is dropped: the next ``is_first_microbatch=True`` call refills the cache."""
+        stays fp32 (a loaded checkpoint's scales and histories survive ``model.cuda()``), as do
+        ``weight.main_grad`` (like ``.grad``) and the parameters' tensor-parallel attributes.
+        What was made from the parameters as they were -- the cached FP8 weight, the prepared
+        C++ options -- is dropped if they changed: the next ``is_first_microbatch=True`` call
+        refills the cache."""
+        before, params = self._weight_identity(), (self.weight, self.bias)
         super()._apply(fn, *args, **kwargs)
+        device = self.weight.device
         for meta in (self._fwd_meta, self._bwd_meta):
             if meta is not None:
-                meta.move_to(self.weight.device)
-        self._weight_cache = None
+                meta.move_to(device)
+        # torch makes new Parameter objects for some moves (to or from "meta", or with
+        # torch.__future__'s overwrite flag): what was set on the old ones is carried over.
+        for old, new in zip(params, (self.weight, self.bias)):
+            for attr in ("tensor_model_parallel", "partition_dim", "main_grad"):
+                value = getattr(old, attr, None)
+                if new is not None and value is not None:
+                    setattr(new, attr, value.to(device) if attr == "main_grad" else value)
+        if self._weight_identity() != before:
+            self._weight_cache = None
         self._options_cache = (None,)
         return self
+
+    def _weight_identity(self):
+        w = self.weight
+        return w.data_ptr() if w.device.type != "meta" else None, w.dtype, w.device
 
     def _quantizers(self, recipe, device):
         """The input, weight and gradient quantizer specs."""
