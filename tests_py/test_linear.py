@@ -262,6 +262,27 @@ def test_deepcopy_and_pickle_after_fp8_steps():
         assert torch.equal(a, b)
 
 
+def test_state_dict_loads_with_weights_only():
+    """A checkpoint of the FP8 state holds tensors and plain values: torch.load's default
+    (weights_only=True) reads it, and the state comes back exactly."""
+    lin, _ = make(seed=19)
+    recipe = tpfp8.DelayedScaling(margin=1, amax_history_len=8, amax_compute_algo="most_recent")
+    for _ in range(3):
+        run(lin, torch.randn(16, 32), torch.randn(16, 48), tpfp8.fp8_autocast(recipe=recipe))
+    buf = io.BytesIO()
+    torch.save(lin.state_dict(), buf)
+    buf.seek(0)
+    fresh, _ = make(seed=20)
+    fresh.load_state_dict(torch.load(buf, weights_only=True))
+    assert fresh._fwd_meta.recipe == recipe
+    for a, b in zip(state_of(lin), state_of(fresh)):
+        assert torch.equal(a, b)
+    old_style = lin.state_dict()  # checkpoints before the state held plain values
+    old_style["_extra_state"]["recipe"] = recipe
+    fresh.load_state_dict(old_style)
+    assert fresh._fwd_meta.recipe == recipe
+
+
 def test_module_move_keeps_weight_cache_when_nothing_changed_and_moves_main_grad():
     """A .to() that changes nothing keeps the FP8 weight cache; a move takes main_grad along,
     as nn.Module does .grad."""

@@ -2,6 +2,7 @@
 ``fp8_autocast``. All math happens in C++ (csrc/linear.cpp); this file holds the module's
 parameters and FP8 state and translates them into the C++ call."""
 import copy
+import dataclasses
 import math
 from typing import Callable, Optional
 
@@ -230,16 +231,19 @@ class Linear(nn.Module):
         return specs
 
     def get_extra_state(self):
-        """FP8 state (delayed-scaling scales and amax histories) for checkpoints."""
+        """FP8 state (delayed-scaling scales and amax histories) for checkpoints: tensors and
+        plain values only, so ``torch.load(..., weights_only=True)`` (its default) reads it."""
         if self._fwd_meta is None:
             return None
         return {"forward": self._fwd_meta.state(), "backward": self._bwd_meta.state(),
-                "recipe": self._fwd_meta.recipe}
+                "recipe": dataclasses.asdict(self._fwd_meta.recipe)}
 
     def set_extra_state(self, state) -> None:
         if not state:
             return
         recipe = state["recipe"]
+        if isinstance(recipe, dict):  # (older checkpoints hold the DelayedScaling itself)
+            recipe = DelayedScaling(**recipe)
         self._delayed_metas(recipe, self.weight.device)
         self._fwd_meta.load(state["forward"])
         self._bwd_meta.load(state["backward"])
