@@ -12,12 +12,12 @@ from .formats import Fp8Format
 from . import ops
 from . import parallel
 from . import debug
-from .autocast import fp8_autocast
+from .autocast import checkpoint, fp8_autocast
 from .module import Linear, swap_linear
 from .recipe import CurrentScaling, DelayedScaling
 
-__all__ = ["CurrentScaling", "DelayedScaling", "Fp8Format", "Linear", "debug", "fp8_autocast",
-           "ops", "parallel", "swap_linear", "with_cuda"]
+__all__ = ["CurrentScaling", "DelayedScaling", "Fp8Format", "Linear", "checkpoint", "debug",
+           "fp8_autocast", "ops", "parallel", "swap_linear", "with_cuda"]
 __version__ = "0.1.0"
 
 

@@ -4,6 +4,7 @@ import contextlib
 import threading
 
 import torch
+import torch.utils.checkpoint
 
 from . import _C
 from .recipe import CurrentScaling, DelayedScaling
@@ -50,6 +51,59 @@ def fp8_autocast(enabled: bool = True, recipe=None, amax_group=None):
         _stack().pop()
         if frame is not None:
             update_all(frame["ran"].values())
+
+
+def checkpoint(function, *args, **kwargs):
+    """``torch.utils.checkpoint.checkpoint`` (non-reentrant) for code with tpfp8 layers,
+    called inside ``fp8_autocast``: backward recomputes the forward in FP8 exactly as it first
+    ran -- the same recipe and, with delayed scaling, the scales that forward used (the step's
+    update has moved them since), folding no amax twice -- so the gradients equal those of
+    the step without checkpointing. (Plain ``torch.utils.checkpoint`` recomputes outside
+    ``fp8_autocast``.) Keyword arguments go to ``torch.utils.checkpoint.checkpoint``."""
+    frame = current()
+    if frame is None:
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+    scales = {}  # module -> the scales of its first forward (delayed scaling)
+
+    def contexts():
+        return _recording(frame, scales), _replaying(frame, scales)
+
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
+                                             context_fn=contexts, **kwargs)
+
+
+@contextlib.contextmanager
+def _recording(frame, scales):
+    outer = frame.get("record")
+    frame["record"] = scales
+    try:
+        yield
+    finally:
+        frame["record"] = outer
+
+
+@contextlib.contextmanager
+def _replaying(frame, scales):
+    # A frame of its own whose exit updates nothing: the step's update ran already.
+    _stack().append({"recipe": frame["recipe"], "amax_group": frame["amax_group"], "ran": {},
+                     "replay": scales})
+    try:
+        yield
+    finally:
+        _stack().pop()
+
+
+def record_scales(frame, module, meta) -> None:
+    """Inside a checkpointed forward: keeps the scales `module` casts with for the recompute."""
+    record = frame.get("record")
+    if record is not None and module not in record:
+        record[module] = meta.scale.clone()
+
+
+def replayed_scales(frame, module):
+    """In a checkpoint's recompute, the scales `module`'s first forward cast with, else None."""
+    replay = frame.get("replay") if frame is not None else None
+    return None if replay is None else replay.get(module)
 
 
 class ScalingMeta:

@@ -210,8 +210,9 @@ class Linear(nn.Module):
         w = self.weight
         return w.data_ptr() if w.device.type != "meta" else None, w.dtype, w.device
 
-    def _quantizers(self, recipe, device):
-        """The input, weight and gradient quantizer specs."""
+    def _quantizers(self, recipe, device, replay=None):
+        """The input, weight and gradient quantizer specs; `replay`: a checkpoint recompute's
+        forward scales (its amaxes, in the history already, go to scratch)."""
         fwd_fmt, grad_fmt = recipe.formats
         specs = [_C.QuantizerSpec() for _ in range(3)]
         for spec, fmt in zip(specs, (fwd_fmt, fwd_fmt, grad_fmt)):
@@ -223,10 +224,10 @@ class Linear(nn.Module):
                 spec.epsilon = recipe.amax_epsilon
             return specs
         fwd, bwd = self._delayed_metas(recipe, device)
-        for spec, meta, col in ((specs[0], fwd, _INPUT), (specs[1], fwd, _WEIGHT),
-                                (specs[2], bwd, 0)):
-            spec.scale = meta.scale[col:col + 1]
-            spec.amax = meta.amax_slot(col)
+        for spec, col in ((specs[0], _INPUT), (specs[1], _WEIGHT)):
+            spec.scale = (fwd.scale if replay is None else replay)[col:col + 1]
+            spec.amax = fwd.amax_slot(col) if replay is None else torch.zeros(1, device=device)
+        specs[2].scale, specs[2].amax = bwd.scale[:1], bwd.amax_slot(0)
         specs[2].after_backward = bwd.native  # C++ updates it when backward is done
         return specs
 
@@ -299,17 +300,19 @@ class Linear(nn.Module):
         bias_out = None
         if self.return_bias:
             bias_out, bias = bias, None
-        opts = self._options(frame, x.device, param, is_first_microbatch)
+        replay = _autocast.replayed_scales(frame, self)
+        opts = self._options(frame, x.device, param, is_first_microbatch, replay)
         y = _C.linear(x, weight, bias, opts)
         if frame is not None and isinstance(frame["recipe"], DelayedScaling):
             self._schedule_updates(is_first_microbatch)
+            _autocast.record_scales(frame, self, self._fwd_meta)
         return (y, bias_out) if self.return_bias else y
 
-    def _options(self, frame, device, weight, is_first_microbatch):
+    def _options(self, frame, device, weight, is_first_microbatch, replay=None):
         """The C++ call's options (`weight`: the parameter, not a torch.autocast copy).
         Building them costs more host time than the rest of a forward's Python, so they are
-        kept and reused while what they are made of stays the same (debugged calls build
-        their own)."""
+        kept and reused while what they are made of stays the same (debugged calls and
+        checkpoint recomputes, `replay`, build their own)."""
         if self.fuse_wgrad_accumulation and weight.requires_grad and getattr(
                 weight, "main_grad", None) is None:
             weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)
@@ -318,19 +321,19 @@ class Linear(nn.Module):
                is_first_microbatch, id(weight), weight.requires_grad,
                id(getattr(weight, "main_grad", None)), self.save_original_input,
                self._quantize_after_gather)
-        if debug is None and self._options_cache[0] == key:
+        if debug is None and replay is None and self._options_cache[0] == key:
             return self._options_cache[1]
-        opts = self._build_options(frame, device, is_first_microbatch)
-        if debug is None:  # the ids' objects are kept alive, so their ids stay theirs
-            self._options_cache = (key, opts, (weight, getattr(weight, "main_grad", None)))
-        else:
+        opts = self._build_options(frame, device, is_first_microbatch, replay)
+        if debug is not None:
             opts.debug = debug
+        elif replay is None:  # the ids' objects are kept alive, so their ids stay theirs
+            self._options_cache = (key, opts, (weight, getattr(weight, "main_grad", None)))
         return opts
 
-    def _build_options(self, frame, device, is_first_microbatch):
+    def _build_options(self, frame, device, is_first_microbatch, replay=None):
         opts = _C.LinearOptions()
         if frame is not None:
-            self._fp8_options(opts, frame, device, is_first_microbatch)
+            self._fp8_options(opts, frame, device, is_first_microbatch, replay)
         self._wgrad_options(opts, is_first_microbatch)
         if self.parallel_mode:
             opts.parallel_mode = _PARALLEL[self.parallel_mode]
@@ -353,7 +356,7 @@ class Linear(nn.Module):
                              f"convert one of them or use torch.autocast")
         return x, weight, bias
 
-    def _fp8_options(self, opts, frame, device, is_first_microbatch) -> None:
+    def _fp8_options(self, opts, frame, device, is_first_microbatch, replay=None) -> None:
         """Quantizers, recipe checks and the weight cache; raises before any state changes."""
         recipe = frame["recipe"]
         if self.save_original_input and isinstance(recipe, DelayedScaling):
@@ -369,7 +372,7 @@ class Linear(nn.Module):
                                               frame["amax_group"])
         mode, cache = self._weight_cache_buffers(is_first_microbatch)
         opts.fp8 = True
-        opts.input, opts.weight, opts.grad = self._quantizers(recipe, device)
+        opts.input, opts.weight, opts.grad = self._quantizers(recipe, device, replay)
         if isinstance(recipe, DelayedScaling):
             self._fwd_meta.amax_group = self._bwd_meta.amax_group = amax_group
         opts.save_original_input = self.save_original_input
