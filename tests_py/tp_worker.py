@@ -293,13 +293,37 @@ def check_deepcopy(group):
         assert torch.equal(layer._fwd_meta.history, twin._fwd_meta.history)
 
 
-def step_tp(layer, mode, sp, group, full_x, full_dy, recipe):
-    """One forward + backward of a TP layer on the full data; returns full (y, dx, dW)."""
+def check_checkpoint(group):
+    """tpfp8.checkpoint of a tensor-parallel layer (its collectives run again in the
+    recompute) gives the un-checkpointed steps bit for bit, delayed-scaling state included."""
+    global checks
+    recipe = tpfp8.DelayedScaling(amax_history_len=4)
+    for mode, sp in itertools.product(("column", "row"), (False, True)):
+        layers = []
+        for _ in range(2):
+            torch.manual_seed(9)
+            layers.append(tpfp8.Linear(K, N, parallel_mode=mode, tp_group=group,
+                                       sequence_parallel=sp, device=DEVICE))
+        for _ in range(2):
+            full_x = torch.randn(S, B, K, device=DEVICE)
+            full_dy = torch.randn(S, B, N, device=DEVICE)
+            plain = step_tp(layers[0], mode, sp, group, full_x, full_dy, recipe)
+            ckpt = step_tp(layers[1], mode, sp, group, full_x, full_dy, recipe, tpfp8.checkpoint)
+            for a, b in zip(plain, ckpt):
+                checks += 1
+                assert torch.equal(a, b), f"checkpointed {mode} layer (sp={sp}) differs"
+        checks += 1
+        assert torch.equal(layers[0]._fwd_meta.history, layers[1]._fwd_meta.history)
+
+
+def step_tp(layer, mode, sp, group, full_x, full_dy, recipe, wrap=None):
+    """One forward + backward of a TP layer (called through `wrap(layer, x)` if given) on the
+    full data; returns full (y, dx, dW)."""
     x, dy = local_view(mode, sp, group, full_x, full_dy)
     x.requires_grad_(True)
     layer.weight.grad = None
     with tpfp8.fp8_autocast(recipe=recipe):
-        y = layer(x)
+        y = layer(x) if wrap is None else wrap(layer, x)
     y.backward(dy)
     return (full_of(y.detach(), mode, sp, group, "y"), full_of(x.grad, mode, sp, group, "dx"),
             full_of(layer.weight.grad, mode, sp, group, "dw"))
@@ -394,6 +418,7 @@ def main():
     check_debug_seed_case(group)
     check_debug_disable_fp8_gemm(group)
     check_deepcopy(group)
+    check_checkpoint(group)
     recipes = [None, tpfp8.DelayedScaling(amax_history_len=4), tpfp8.CurrentScaling()]
     for mode, sp, recipe, save_orig, bias in itertools.product(
             ("column", "row"), (False, True), recipes, (False, True), (True, False)):
