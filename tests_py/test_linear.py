@@ -2,6 +2,7 @@
 emulation of the FP8 casts inside it, delayed-scaling bookkeeping, caches, errors, training."""
 import copy
 import io
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
@@ -350,36 +351,68 @@ def test_no_tokens(recipe):
     check_no_tokens("cpu", recipe)
 
 
-def check_checkpoint_matches_plain_steps(recipe, device="cpu"):
-    """tpfp8.checkpoint of a block inside fp8_autocast: outputs, gradients and the FP8 state
-    after each of 3 steps equal those of the same steps without checkpointing, bit for bit
-    (delayed scaling: the recompute casts with the first forward's scales, folds no amax)."""
+CHECKPOINT_VARIANTS = ["plain", "nested", "fp8_autocast inside", "backward twice",
+                       "backward in fp8_autocast"]
+
+
+def check_checkpoint_matches_plain_steps(recipe, variant, device="cpu"):
+    """tpfp8.checkpoint of a block: outputs, gradients and the FP8 state after each of 3 steps
+    equal those of the same steps without checkpointing, bit for bit (delayed scaling: the
+    recompute casts with the first forward's scales, folds no amax, updates nothing)."""
     def block(seed):
         torch.manual_seed(seed)
         return nn.Sequential(tpfp8.Linear(32, 64), nn.GELU(), tpfp8.Linear(64, 16)).to(device)
+
+    def fp8():
+        return tpfp8.fp8_autocast(enabled=recipe is not None, recipe=recipe)
+
+    def forward(model, x, ckpt):
+        if variant == "fp8_autocast inside":  # the block opens it; checkpointed from outside
+            def inner(v):
+                with fp8():
+                    return model(v)
+            return tpfp8.checkpoint(inner, x) if ckpt else inner(x)
+        with fp8():
+            if not ckpt:
+                return model(x)
+            if variant == "nested":
+                return tpfp8.checkpoint(
+                    lambda v: model[2](model[1](tpfp8.checkpoint(model[0], v))), x)
+            return tpfp8.checkpoint(model, x)
 
     plain, ckpt = block(21), block(21)
     for step in range(3):
         torch.manual_seed(100 + step)
         x, dy = torch.randn(8, 32, device=device), torch.randn(8, 16, device=device)
         results = []
-        for model, wrap in ((plain, lambda m, v: m(v)), (ckpt, tpfp8.checkpoint)):
+        for model, use_ckpt in ((plain, False), (ckpt, True)):
             xg = x.clone().requires_grad_(True)
             model.zero_grad(set_to_none=True)
-            with tpfp8.fp8_autocast(enabled=recipe is not None, recipe=recipe):
-                y = wrap(model, xg)
-            y.backward(dy)
+            y = forward(model, xg, use_ckpt)
+            twice = variant == "backward twice"
+            with tpfp8.fp8_autocast() if variant == "backward in fp8_autocast" else nullcontext():
+                y.backward(dy, retain_graph=twice)
+                if twice:
+                    y.backward(dy)
             results.append([y.detach(), xg.grad] + [p.grad for p in model.parameters()]
                            + [t for layer in (model[0], model[2]) for t in state_of(layer)])
         for a, b in zip(*results):
             assert torch.equal(a, b), f"step {step}"
 
 
+@pytest.mark.parametrize("variant", CHECKPOINT_VARIANTS)
 @pytest.mark.parametrize("recipe", [None, tpfp8.DelayedScaling(amax_history_len=4),
                                     tpfp8.CurrentScaling()],
                          ids=["high precision", "delayed", "current"])
-def test_checkpoint_matches_plain_steps(recipe):
-    check_checkpoint_matches_plain_steps(recipe)
+def test_checkpoint_matches_plain_steps(recipe, variant):
+    check_checkpoint_matches_plain_steps(recipe, variant)
+
+
+def test_checkpoint_refuses_reentrant_and_context_fn():
+    lin, _ = make(seed=22)
+    for kwargs in ({"use_reentrant": True}, {"context_fn": lambda: (nullcontext(),) * 2}):
+        with pytest.raises(ValueError, match="non-reentrant"):
+            tpfp8.checkpoint(lin, torch.randn(2, 32), **kwargs)
 
 
 def test_swap_linear_and_state_dict():
@@ -544,7 +577,8 @@ def test_gpu_no_tokens(recipe):
 @pytest.mark.parametrize("recipe", [tpfp8.DelayedScaling(amax_history_len=4),
                                     tpfp8.CurrentScaling()], ids=["delayed", "current"])
 def test_gpu_checkpoint_matches_plain_steps(recipe):
-    check_checkpoint_matches_plain_steps(recipe, "cuda")
+    for variant in CHECKPOINT_VARIANTS:
+        check_checkpoint_matches_plain_steps(recipe, variant, "cuda")
 
 
 @requires_gpu

@@ -18,10 +18,25 @@ def _stack():
     return _state.stack
 
 
-def current():
-    """The innermost active (recipe, amax_group), or None outside FP8."""
+def _top():
+    """The innermost frame: a dict (recipe None: high precision inside a checkpointed block),
+    None for fp8_autocast(enabled=False) or outside any."""
     stack = _stack()
-    return stack[-1] if stack and stack[-1] is not None else None
+    return stack[-1] if stack else None
+
+
+def current():
+    """The innermost active FP8 frame (recipe, amax_group, ...), or None in high precision."""
+    top = _top()
+    return top if top is not None and top["recipe"] is not None else None
+
+
+def _checkpoint_keys(frame) -> dict:
+    """What a frame inside a checkpointed block passes on to frames opened in it: the scales
+    being recorded (first forward) or replayed (recompute)."""
+    if frame is None:
+        return {}
+    return {key: frame[key] for key in ("record", "replay") if key in frame}
 
 
 @contextlib.contextmanager
@@ -43,61 +58,65 @@ def fp8_autocast(enabled: bool = True, recipe=None, amax_group=None):
     if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
         raise ValueError(f"recipe must be tpfp8.DelayedScaling or tpfp8.CurrentScaling, got "
                          f"{type(recipe).__name__}")
-    frame = {"recipe": recipe, "amax_group": amax_group, "ran": {}} if enabled else None
+    frame = None
+    if enabled:
+        frame = {"recipe": recipe, "amax_group": amax_group, "ran": {}, **_checkpoint_keys(_top())}
     _stack().append(frame)
     try:
         yield
     finally:
         _stack().pop()
-        if frame is not None:
+        if frame is not None and "replay" not in frame:  # a recompute's exit updates nothing
             update_all(frame["ran"].values())
 
 
 def checkpoint(function, *args, **kwargs):
-    """``torch.utils.checkpoint.checkpoint`` (non-reentrant) for code with tpfp8 layers,
-    called inside ``fp8_autocast``: backward recomputes the forward in FP8 exactly as it first
-    ran -- the same recipe and, with delayed scaling, the scales that forward used (the step's
-    update has moved them since), folding no amax twice -- so the gradients equal those of
-    the step without checkpointing. (Plain ``torch.utils.checkpoint`` recomputes outside
-    ``fp8_autocast``.) Keyword arguments go to ``torch.utils.checkpoint.checkpoint``."""
-    frame = current()
-    if frame is None:
-        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
-    scales = {}  # module -> the scales of its first forward (delayed scaling)
+    """``torch.utils.checkpoint.checkpoint`` (non-reentrant) for code with tpfp8 layers:
+    backward recomputes the block in FP8 exactly as it first ran -- under the same
+    ``fp8_autocast`` frames and, with delayed scaling, with the scales that forward used (the
+    step's update has moved them since), folding no amax twice and updating nothing -- so the
+    gradients equal those of the step without checkpointing. It may be called inside or
+    outside ``fp8_autocast``, nested, and the block may open its own ``fp8_autocast``.
+    (Plain ``torch.utils.checkpoint`` recomputes outside ``fp8_autocast``.) Other keyword
+    arguments go to ``torch.utils.checkpoint.checkpoint``; it sets ``context_fn`` itself."""
+    if "context_fn" in kwargs or kwargs.pop("use_reentrant", False) is not False:
+        raise ValueError("tpfp8.checkpoint is non-reentrant and sets context_fn itself; call "
+                         "it without use_reentrant=True and context_fn")
+    base = _top()
+    keys = _checkpoint_keys(base)
+    scales = keys.get("record", keys.get("replay", {}))  # module -> its first forward's scales
 
     def contexts():
-        return _recording(frame, scales), _replaying(frame, scales)
+        return _CheckpointFrame(base, "record", scales), _CheckpointFrame(base, "replay", scales)
 
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
                                              context_fn=contexts, **kwargs)
 
 
-@contextlib.contextmanager
-def _recording(frame, scales):
-    outer = frame.get("record")
-    frame["record"] = scales
-    try:
-        yield
-    finally:
-        frame["record"] = outer
+class _CheckpointFrame:
+    """The frame a checkpointed block runs in: like `base` (where the checkpoint was called;
+    None: high precision), recording the scales its layers cast with (first forward; updates
+    go to `base`'s exit as without checkpointing) or replaying them (recompute: no update, the
+    step's ran already). A class, not a generator: backward may recompute a block twice."""
 
+    def __init__(self, base, mode: str, scales: dict):
+        self.base, self.mode, self.scales = base, mode, scales
 
-@contextlib.contextmanager
-def _replaying(frame, scales):
-    # A frame of its own whose exit updates nothing: the step's update ran already.
-    _stack().append({"recipe": frame["recipe"], "amax_group": frame["amax_group"], "ran": {},
-                     "replay": scales})
-    try:
-        yield
-    finally:
+    def __enter__(self):
+        base = self.base or {"recipe": None, "amax_group": None}
+        ran = base.get("ran", {}) if self.mode == "record" else {}
+        _stack().append({"recipe": base["recipe"], "amax_group": base["amax_group"], "ran": ran,
+                         **_checkpoint_keys(self.base), self.mode: self.scales})
+
+    def __exit__(self, *exc) -> None:
         _stack().pop()
 
 
-def record_scales(frame, module, meta) -> None:
-    """Inside a checkpointed forward: keeps the scales `module` casts with for the recompute."""
+def record_scales(frame, module, scale) -> None:
+    """Inside a checkpointed forward: keeps the scales `module` cast with for the recompute."""
     record = frame.get("record")
     if record is not None and module not in record:
-        record[module] = meta.scale.clone()
+        record[module] = scale.clone()
 
 
 def replayed_scales(frame, module):

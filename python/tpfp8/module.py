@@ -305,7 +305,7 @@ class Linear(nn.Module):
         y = _C.linear(x, weight, bias, opts)
         if frame is not None and isinstance(frame["recipe"], DelayedScaling):
             self._schedule_updates(is_first_microbatch)
-            _autocast.record_scales(frame, self, self._fwd_meta)
+            _autocast.record_scales(frame, self, self._fwd_meta.scale if replay is None else replay)
         return (y, bias_out) if self.return_bias else y
 
     def _options(self, frame, device, weight, is_first_microbatch, replay=None):
