@@ -2,8 +2,9 @@
 
 ``tpfp8.Linear`` is a drop-in ``torch.nn.Linear`` that computes in FP8 inside
 ``tpfp8.fp8_autocast(recipe=tpfp8.DelayedScaling() | tpfp8.CurrentScaling())``;
-``tpfp8.swap_linear(model)`` converts a model's ``nn.Linear`` layers. The native ops live in
-:mod:`tpfp8.ops` (and ``torch.ops.tpfp8``).
+``tpfp8.swap_linear(model)`` converts a model's ``nn.Linear`` layers, and
+``tpfp8.checkpoint(block, *inputs)`` checkpoints activations of FP8 blocks. The native ops live
+in :mod:`tpfp8.ops` (and ``torch.ops.tpfp8``).
 """
 import torch  # noqa: F401  (loads libtorch, which _C links against)
 
