@@ -39,6 +39,12 @@ def _checkpoint_keys(frame) -> dict:
     return {key: frame[key] for key in ("record", "replay") if key in frame}
 
 
+def _frame(recipe, amax_group, ran: dict, outer) -> dict:
+    """A frame for the stack: `ran` collects the modules its exit updates; opened inside a
+    checkpointed block (`outer`), it carries on the block's scales."""
+    return {"recipe": recipe, "amax_group": amax_group, "ran": ran, **_checkpoint_keys(outer)}
+
+
 @contextlib.contextmanager
 def fp8_autocast(enabled: bool = True, recipe=None, amax_group=None):
     """Runs tpfp8 modules in FP8 inside the ``with`` block.
@@ -58,9 +64,7 @@ def fp8_autocast(enabled: bool = True, recipe=None, amax_group=None):
     if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
         raise ValueError(f"recipe must be tpfp8.DelayedScaling or tpfp8.CurrentScaling, got "
                          f"{type(recipe).__name__}")
-    frame = None
-    if enabled:
-        frame = {"recipe": recipe, "amax_group": amax_group, "ran": {}, **_checkpoint_keys(_top())}
+    frame = _frame(recipe, amax_group, {}, _top()) if enabled else None
     _stack().append(frame)
     try:
         yield
@@ -105,8 +109,9 @@ class _CheckpointFrame:
     def __enter__(self):
         base = self.base or {"recipe": None, "amax_group": None}
         ran = base.get("ran", {}) if self.mode == "record" else {}
-        _stack().append({"recipe": base["recipe"], "amax_group": base["amax_group"], "ran": ran,
-                         **_checkpoint_keys(self.base), self.mode: self.scales})
+        frame = _frame(base["recipe"], base["amax_group"], ran, self.base)
+        frame[self.mode] = self.scales
+        _stack().append(frame)
 
     def __exit__(self, *exc) -> None:
         _stack().pop()

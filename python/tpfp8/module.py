@@ -167,7 +167,7 @@ class Linear(nn.Module):
     def __getstate__(self):
         """Pickling and copy.deepcopy (an EMA copy, ``AveragedModel``): the prepared C++
         options are a cache, made again by the next forward, and do not pickle."""
-        state = super().__getstate__().copy()
+        state = super().__getstate__()  # a copy already
         state["_options_cache"] = (None,)
         return state
 
