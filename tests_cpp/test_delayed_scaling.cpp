@@ -24,7 +24,8 @@ struct State {
   }
 };
 
-// Random history with whole columns of zeros, an inf and a NaN to hit the keep-old-scale rule.
+// Random history with whole columns of zeros, and Inf / NaN both as this step's amax (row 0: the
+// step is dropped) and in older rows (ignored by the max).
 State random_state(int64_t len, int64_t n, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<float> u(0.0f, 4.0f);
@@ -43,6 +44,8 @@ State random_state(int64_t len, int64_t n, uint64_t seed) {
   }
   if (n > 2) st.history[2] = INFINITY;
   if (n > 3) st.history[(len - 1) * n + 3] = NAN;
+  if (n > 4) st.history[4] = -NAN;
+  if (n > 6 && len > 1) st.history[n + 6] = INFINITY;
   return st;
 }
 
@@ -55,25 +58,60 @@ TEST(DelayedScaling, FollowsFormulaAndRolls) {
                        margin, true);
     delayed_scaling_update_cpu(p);
     for (int64_t i = 0; i < st.n; ++i) {
+      EXPECT_EQ(st.history[i], 0.0f);  // row 0 cleared for the next step
+      if (!std::isfinite(before.history[i])) {  // a bad step: dropped, nothing else moves
+        EXPECT_TRUE(same_bytes<float>({st.scale[i], st.scale_inv[i]},
+                                      {before.scale[i], before.scale_inv[i]}))
+            << "tensor " << i;
+        for (int64_t r = 1; r < st.len; ++r) {
+          EXPECT_TRUE(same_bytes<float>({st.history[r * st.n + i]}, {before.history[r * st.n + i]}));
+        }
+        continue;
+      }
       float amax = 0.0f;
-      bool nan = false;
       for (int64_t r = 0; r < st.len; ++r) {
         const float a = before.history[r * st.n + i];
-        nan |= std::isnan(a);
-        amax = std::max(amax, a);
+        if (std::isfinite(a)) amax = std::max(amax, a);  // older non-finite rows are ignored
       }
-      const bool keep = nan || amax == 0.0f || std::isinf(amax);
-      const double want = keep ? before.scale[i]
-                               : std::min<double>(FLT_MAX, double(float(before.fp8_max[i] / amax)) *
-                                                               std::ldexp(1.0, -margin));
+      const double want = amax == 0.0f ? before.scale[i]
+                                       : std::min<double>(FLT_MAX, double(float(before.fp8_max[i] /
+                                                                                amax)) *
+                                                                       std::ldexp(1.0, -margin));
       EXPECT_EQ(st.scale[i], static_cast<float>(want)) << "tensor " << i;
       EXPECT_EQ(st.scale_inv[i], 1.0f / st.scale[i]);
-      EXPECT_EQ(st.history[i], 0.0f);  // row 0 cleared for the next step
       for (int64_t r = 1; r < st.len; ++r) {
         EXPECT_TRUE(
             same_bytes<float>({st.history[r * st.n + i]}, {before.history[(r - 1) * st.n + i]}));
       }
     }
+  }
+}
+
+// Steps with a NaN or Inf amax between good ones leave the state exactly as the good steps alone.
+TEST(DelayedScaling, BadStepsLeaveNoTrace) {
+  const std::vector<float> good = {3.0f, 0.5f, 7.0f, 2.0f, 1.0f};
+  for (const bool use_max : {true, false}) {
+    auto run = [&](bool with_bad) {
+      State st = random_state(3, 1, 9);
+      st.history.assign(3, 0.0f);
+      for (const float a : good) {
+        for (const float bad : {NAN, INFINITY, -NAN}) {
+          if (!with_bad) break;
+          st.history[0] = bad;
+          delayed_scaling_update_cpu(st.params(st.history.data(), st.scale.data(),
+                                               st.scale_inv.data(), st.fp8_max.data(), 0, use_max));
+        }
+        st.history[0] = a;
+        delayed_scaling_update_cpu(st.params(st.history.data(), st.scale.data(),
+                                             st.scale_inv.data(), st.fp8_max.data(), 0, use_max));
+      }
+      return st;
+    };
+    const State clean = run(false), dirty = run(true);
+    EXPECT_TRUE(same_bytes(dirty.history, clean.history));
+    EXPECT_TRUE(same_bytes(dirty.scale, clean.scale));
+    EXPECT_TRUE(same_bytes(dirty.scale_inv, clean.scale_inv));
+    EXPECT_EQ(clean.scale[0], 448.0f / (use_max ? 7.0f : 1.0f));
   }
 }
 

@@ -84,17 +84,21 @@ def test_delayed_scaling_update_cpu(algo, margin):
     g = torch.Generator().manual_seed(1)
     hist = torch.rand(8, 5, generator=g) * 10
     hist[:, 1] = 0.0  # all-zero column keeps its scale
-    hist[0, 2] = float("inf")
+    hist[0, 2] = float("inf")  # a bad step: dropped (no roll, scale kept)
+    hist[5, 3] = float("nan")  # an older bad entry (an old checkpoint): ignored by the max
     scale = torch.arange(1.0, 6.0)
-    scale_inv = torch.empty(5)
+    scale_inv = 1.0 / scale
     fp8_max = torch.tensor([MAX["e4m3"], MAX["e5m2"]] * 2 + [MAX["e4m3"]])
     h0, s0 = hist.clone(), scale.clone()
     ops.delayed_scaling_update(hist, scale, scale_inv, fp8_max, margin, algo)
-    amax = h0.max(0).values if algo == "max" else h0[0]
+    finite = h0.masked_fill(h0.isnan(), 0.0)
+    amax = finite.max(0).values if algo == "max" else h0[0]
     want = torch.where(torch.isfinite(amax) & (amax > 0), fp8_max / amax * 2.0 ** -margin, s0)
     assert torch.equal(scale, want)
     assert torch.equal(scale_inv, 1.0 / want)
-    assert torch.equal(hist[1:], h0[:-1]) and torch.all(hist[0] == 0)
+    rolled = [0, 1, 3, 4]
+    torch.testing.assert_close(hist[1:, rolled], h0[:-1, rolled], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(hist[1:, 2], h0[1:, 2]) and torch.all(hist[0] == 0)
 
 
 def oracle_current_scale(amax, fmt, epsilon=0.0):

@@ -14,10 +14,14 @@ constexpr int kWarpsPerBlock = 8;
 __device__ void update_one(float* h, int64_t stride, int64_t len, bool use_history_max,
                            float fp8_max, int margin, float* scale, float* scale_inv) {
   const int lane = threadIdx.x % 32;
-  // History values are amaxes: >= 0 or NaN, so the max of their bits is the max (NaN wins).
+  if (!usable_amax(h[0])) {  // a bad step is dropped (delayed_scaling.h); every lane agrees
+    __syncwarp();
+    if (lane == 0) h[0] = 0.0f;
+    return;
+  }
   uint32_t amax = 0;
   const int64_t rows = use_history_max ? len : 1;
-  for (int64_t r = lane; r < rows; r += 32) amax = max(amax, float_bits(h[r * stride]));
+  for (int64_t r = lane; r < rows; r += 32) amax = max(amax, amax_bits(h[r * stride]));
   amax = __reduce_max_sync(0xFFFFFFFFu, amax);
   if (lane == 0) {
     *scale = scale_from_amax(bits_float(amax), *scale, fp8_max, margin);

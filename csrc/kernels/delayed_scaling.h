@@ -2,11 +2,17 @@
 //
 // amax_history is [history_len, n] row-major; row 0 holds this step's amax of each tensor.
 //   amax_i   = max over all rows of column i     (use_history_max)   or row 0 (most recent)
-//   scale_i  = fp8_max_i * 2^-margin / amax_i    kept unchanged if amax_i is 0, inf or NaN;
+//   scale_i  = fp8_max_i * 2^-margin / amax_i    kept unchanged if amax_i is 0;
 //              a scale that overflows fp32 becomes FLT_MAX
 //   scale_inv_i = 1 / scale_i
 // then the history rolls one row toward the past (row h <- row h-1, the oldest row drops
 // out) and row 0 is zeroed for the next step.
+//
+// A step whose amax (row 0) is not finite -- NaN or Inf: an overflowed step that GradScaler or
+// a loss-spike guard skips -- is dropped as if it had not run: row 0 is zeroed, the history
+// does not roll, scale and scale_inv stay. So one bad step never freezes the scale for
+// history_len steps. Non-finite values in older rows (a checkpoint written before this rule)
+// are ignored by the max.
 #pragma once
 
 #include <cstdint>
@@ -47,6 +53,12 @@ struct DelayedScalingBatch {
 
 cudaError_t delayed_scaling_update_batch_cuda(const DelayedScalingBatch& b, cudaStream_t stream);
 void delayed_scaling_update_batch_cpu(const DelayedScalingBatch& b);
+
+// Whether an amax may enter the history and the scale: finite and not negative.
+TPFP8_HD bool usable_amax(float amax) { return amax >= 0.0f && amax <= 3.402823466e38f; }
+
+// An amax as bits whose unsigned max is the float max; unusable amaxes count as 0.
+TPFP8_HD uint32_t amax_bits(float amax) { return usable_amax(amax) ? float_bits(amax) : 0u; }
 
 // One tensor's new scale from its amax (shared by the CPU reference and the kernel).
 TPFP8_HD float scale_from_amax(float amax, float old_scale, float fp8_max, int margin) {

@@ -10,9 +10,13 @@ namespace {
 // One tensor: its history is h[0], h[stride], ... h[(len - 1) * stride].
 void update_one(float* h, int64_t stride, int64_t len, bool use_history_max, float fp8_max,
                 int margin, float* scale, float* scale_inv) {
+  if (!usable_amax(h[0])) {  // a bad step is dropped (delayed_scaling.h)
+    h[0] = 0.0f;
+    return;
+  }
   uint32_t amax = float_bits(h[0]);
   if (use_history_max) {
-    for (int64_t r = 1; r < len; ++r) amax = std::max(amax, float_bits(h[r * stride]));
+    for (int64_t r = 1; r < len; ++r) amax = std::max(amax, amax_bits(h[r * stride]));
   }
   *scale = scale_from_amax(bits_float(amax), *scale, fp8_max, margin);
   *scale_inv = 1.0f / *scale;
