@@ -4,6 +4,8 @@
 
 #include <torch/types.h>
 
+#include <cstring>
+
 #include "kernels/launch.h"
 
 #if defined(TPFP8_WITH_CUDA)
@@ -31,6 +33,20 @@ void run_on_device(const at::Tensor& t, CpuFn&& cpu, CudaFn&& cuda) {
   TORCH_CHECK(
       false, "tpfp8 ops run on CPU or CUDA tensors, got a tensor on ", t.device(),
       t.is_cuda() ? " but this build of tpfp8 has no CUDA; rebuild with nvcc available" : "");
+}
+
+// Zeroes a small tensor's bytes: a memset, not at::zeros (no TensorIterator set-up on the CPU,
+// no kernel on the GPU).
+inline void zero_bytes(const at::Tensor& t) {
+  run_on_device(
+      t, [&] { std::memset(t.data_ptr(), 0, t.nbytes()); },
+      [&](cudaStream_t s) {
+#if defined(TPFP8_WITH_CUDA)
+        return cudaMemsetAsync(t.data_ptr(), 0, t.nbytes(), s);
+#else
+        return cudaSuccess;  // never called: run_on_device takes no CUDA tensor in this build
+#endif
+      });
 }
 
 }  // namespace tpfp8

@@ -3,10 +3,13 @@
 
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 
+#include <limits>
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <unordered_set>
 
 #include "device_dispatch.h"
 #include "ops.h"
@@ -36,10 +39,7 @@ Fp8Tensor quantize(const at::Tensor& x, const QuantizerSpec& q, bool rowwise, bo
     return out;
   }
   at::Tensor a = at::empty({1}, x.options().dtype(at::kFloat));
-  // A memset, not at::zeros: no TensorIterator set-up on the CPU, no kernel on the GPU.
-  run_on_device(
-      a, [&] { *a.data_ptr<float>() = 0.0f; },
-      [&](cudaStream_t s) { return cudaMemsetAsync(a.data_ptr(), 0, sizeof(float), s); });
+  zero_bytes(a);
   amax(x, a);
   if (q.reduce_amax) q.reduce_amax(a);
   cast_transpose_current(x, a, q.epsilon, row, col, out.scale_inv, fmt);
@@ -48,9 +48,15 @@ Fp8Tensor quantize(const at::Tensor& x, const QuantizerSpec& q, bool rowwise, bo
 
 namespace {
 
+// The updates each running backward pass (autograd graph task) queued: each pass updates its
+// own modules when it ends, whatever other threads' passes do meanwhile.
+struct TaskUpdates {
+  std::vector<std::shared_ptr<DelayedUpdate>> queue;
+  std::unordered_set<const DelayedUpdate*> queued;  // each state once per pass
+};
 struct PendingUpdates {
   std::mutex mutex;
-  std::vector<std::shared_ptr<DelayedUpdate>> queue;
+  std::map<int, TaskUpdates> by_task;
 };
 PendingUpdates& pending() {
   static PendingUpdates* p = new PendingUpdates();  // used until process exit
@@ -78,6 +84,10 @@ void run_updates(const std::vector<std::shared_ptr<DelayedUpdate>>& group) {
   if (first.amax_group) {  // one collective for all the modules' amaxes
     const auto newest = c10::fmap(histories, [](const at::Tensor& h) { return h.select(1, 0); });
     at::Tensor amax = at::cat(newest);
+    // NaN as Inf: MAX then orders every rank's values alike (a NaN's fate in MAX depends on the
+    // backend and on the order of operands), and the bad step is dropped on every rank.
+    const double inf = std::numeric_limits<double>::infinity();
+    amax.nan_to_num_(inf, inf, inf);
     all_reduce(amax, *first.amax_group, c10d::ReduceOp::MAX);
     at::_foreach_copy_(newest, amax.split_with_sizes(c10::fmap(
                                    newest, [](const at::Tensor& t) { return t.size(0); })));
@@ -88,12 +98,14 @@ void run_updates(const std::vector<std::shared_ptr<DelayedUpdate>>& group) {
                               first.use_history_max);
 }
 
-void run_pending_updates() {
+void run_pending_updates(int task) {
   std::vector<std::shared_ptr<DelayedUpdate>> queue;
   {
     const std::lock_guard<std::mutex> lock(pending().mutex);
-    queue.swap(pending().queue);
-    for (const auto& u : queue) u->queued = false;
+    auto it = pending().by_task.find(task);
+    if (it == pending().by_task.end()) return;
+    queue.swap(it->second.queue);
+    pending().by_task.erase(it);
   }
   update_delayed(queue);
 }
@@ -107,16 +119,18 @@ void update_delayed(const std::vector<std::shared_ptr<DelayedUpdate>>& updates) 
 }
 
 void update_after_backward(const std::shared_ptr<DelayedUpdate>& update) {
-  bool first = false;
+  const int task = torch::autograd::get_current_graph_task_id();
+  if (task < 0) return;  // not inside a backward pass
   {
     const std::lock_guard<std::mutex> lock(pending().mutex);
-    if (update->queued) return;  // a flag, not a search: one call per layer per backward
-    update->queued = true;
-    auto& q = pending().queue;
-    first = q.empty();
-    q.push_back(update);
+    auto [it, first] = pending().by_task.try_emplace(task);
+    if (!it->second.queued.insert(update.get()).second) return;
+    it->second.queue.push_back(update);
+    if (!first) return;
   }
-  if (first) torch::autograd::Engine::get_default_engine().queue_callback(run_pending_updates);
+  // The callback runs when this graph task's backward is done (the engine's final callbacks).
+  torch::autograd::Engine::get_default_engine().queue_callback(
+      [task] { run_pending_updates(task); });
 }
 
 }  // namespace tpfp8

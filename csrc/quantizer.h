@@ -37,7 +37,6 @@ struct DelayedUpdate {
   int64_t margin = 0;
   bool use_history_max = true;
   ProcessGroupPtr amax_group;  // null on a single device
-  bool queued = false;         // waiting for the end of backward (guarded by the queue's lock)
 };
 
 // Updates now: the states that share a device, recipe and amax_group get one all-reduce and
@@ -45,7 +44,8 @@ struct DelayedUpdate {
 void update_delayed(const std::vector<std::shared_ptr<DelayedUpdate>>& updates);
 
 // Queues `update` for the end of the running backward pass (a no-op outside backward; several
-// calls for one state within a pass update it once).
+// calls for one state within a pass update it once). Each pass -- autograd graph task -- keeps
+// its own queue, so concurrent backward passes (threads) each update their own states.
 void update_after_backward(const std::shared_ptr<DelayedUpdate>& update);
 
 struct QuantizerSpec {
