@@ -1,19 +1,22 @@
 # tpfp8: the two commands of the README, and their parts.
 #   make demo   set up, build, self-check, train the tensor-parallel FP8 demo (2 ranks), and
 #               run the cast benchmark on this machine's device
-#   make test   set up, build, run GoogleTest (ctest) and pytest
+#   make test   set up, build, run GoogleTest (ctest) and pytest, then pytest again on the
+#               CPU-only build (TPFP8_FORCE_CPU=1)
 PYTHON ?= python3
 JOBS ?= $(shell nproc)
 TORCH_SPEC ?= torch==2.14.1
 CMAKE_BUILD := build/cmake
+CPU_ONLY_BUILD := build/cpu_only
 export PYTHONPATH := $(CURDIR)/python:$(PYTHONPATH)
 export MAX_JOBS ?= $(JOBS)
 
-.PHONY: help deps build build-python build-cpp test test-cpp test-py demo bench format lint clean
+.PHONY: help deps build build-python build-cpp test test-cpp test-py test-cpu-only demo bench \
+	format lint clean
 
 help:
 	@echo "make demo    set up, build, self-check, tensor-parallel FP8 training demo, cast benchmark"
-	@echo "make test    set up, build, GoogleTest + pytest"
+	@echo "make test    set up, build, GoogleTest + pytest, and pytest on the CPU-only build"
 	@echo "make format  clang-format C++/CUDA sources"
 	@echo "make lint    ruff over the Python code"
 
@@ -45,7 +48,16 @@ test-py: build-python
 	$(PYTHON) -m pytest tests_py -q -rs; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
-test: test-cpp test-py
+# The CPU-only module (what a machine without nvcc builds) in its own folder, tested whole:
+# it must keep compiling and working even where the CUDA build is the one in use.
+test-cpu-only: deps
+	TPFP8_FORCE_CPU=1 $(PYTHON) setup.py -q build -b $(CPU_ONLY_BUILD)
+	cd $(CPU_ONLY_BUILD) && export PYTHONPATH=$$(ls -d $(CURDIR)/$(CPU_ONLY_BUILD)/lib.*) && \
+	  $(PYTHON) -c "import tpfp8; assert not tpfp8.with_cuda(), tpfp8.__file__; print('CPU-only tpfp8 from', tpfp8.__file__)" && \
+	  $(PYTHON) -m pytest $(CURDIR)/tests_py -q -rs -p no:cacheprovider; rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+
+test: test-cpp test-py test-cpu-only
 
 # The benchmarks draw their plots with matplotlib.
 demo: build-python

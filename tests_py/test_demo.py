@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import package_root
 
 
 def test_demo_runs_and_fp8_tracks_high_precision(tmp_path):
@@ -13,7 +13,7 @@ def test_demo_runs_and_fp8_tracks_high_precision(tmp_path):
     config.write_text(json.dumps([{"layers": "fc1", "freq": 20, "features": {
         "log_stats": {"tensors": ["activation"], "gemms": ["fprop"]}}}]))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.join(ROOT, "python"), os.environ.get("PYTHONPATH", "")]))
+        [package_root(), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "tpfp8.demo", "--steps", "80", "--hidden", "32", "--seq", "16",
            "--batch", "4", "--tp", "2", "--out", str(tmp_path), "--debug-config", str(config)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120,
@@ -29,7 +29,7 @@ def test_demo_runs_and_fp8_tracks_high_precision(tmp_path):
 
 
 def test_demo_help():
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    env = dict(os.environ, PYTHONPATH=package_root())
     out = subprocess.run([sys.executable, "-m", "tpfp8.demo", "--help"], env=env,
                          capture_output=True, text=True, timeout=60).stdout
     for option in ("--steps", "--hidden", "--recipe", "--tp", "--debug-config"):

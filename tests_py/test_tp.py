@@ -7,10 +7,9 @@ import sys
 import pytest
 import torch
 
-from conftest import requires_gpu
+from conftest import package_root, requires_gpu
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 
 
 def torchrun(nproc, timeout=600, **env):
@@ -18,7 +17,7 @@ def torchrun(nproc, timeout=600, **env):
            f"--nproc_per_node={nproc}", os.path.join(HERE, "tp_worker.py")]
     full_env = dict(os.environ, **env)
     full_env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.join(ROOT, "python"), full_env.get("PYTHONPATH", "")])
+        [package_root(), full_env.get("PYTHONPATH", "")])
     proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "TP OK" in out, out[-6000:]
