@@ -256,7 +256,8 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     std::vector<int64_t> out_shape = s->x_shape;
     out_shape.back() = n;
     out_shape[0] = output_dim0(out_shape[0], o);
-    ctx->save_for_backward({saves_hp_input(o) ? x2 : at::Tensor(), weight});
+    // High precision keeps the input itself: a double backward differentiates through it.
+    ctx->save_for_backward({!o.fp8 ? x : saves_hp_input(o) ? x2 : at::Tensor(), weight});
     return shaped(y, out_shape);
   }
 
@@ -268,6 +269,9 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     const at::Tensor& weight = saved[1];
     const int64_t n = weight.size(0), k = weight.size(1);
     const at::Tensor dy = as_matrix(grads[0], n);
+    const at::Tensor x_saved = saved[0].defined() ? as_matrix(saved[0], k) : saved[0];
+    // Grad mode on inside backward means create_graph=True (double backward).
+    if (at::GradMode::is_enabled()) return differentiable_backward(ctx, dy, x_saved, weight, *s);
     const bool need_dgrad = ctx->needs_input_grad(0);
     const bool need_wgrad = ctx->needs_input_grad(1) || o.fuse_wgrad_accumulation;
 
@@ -278,7 +282,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     const bool regather = gathers_input(o) && (saves_hp_input(o) || s->qx.rowwise.defined());
     if (need_wgrad && regather) {
       x_gathered =
-          all_gather_rows(saves_hp_input(o) ? saved[0] : s->qx.rowwise, *o.tp_group, &x_work);
+          all_gather_rows(saves_hp_input(o) ? x_saved : s->qx.rowwise, *o.tp_group, &x_work);
     }
     // 2. The gradient: quantized, and gathered along rows under row-parallel SP. Delayed
     //    scaling updates its state once the whole backward pass is done.
@@ -304,7 +308,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     at::Tensor dw;
     if (need_wgrad) {
       wait(x_work);
-      const Prepared in = input_for_wgrad(saved[0], x_gathered, *s);
+      const Prepared in = input_for_wgrad(x_saved, x_gathered, *s);
       const auto [dy_op, x_op] =
           operands("wgrad", {"gradient", &g, true, d.fake_gradient},
                    {"activation", &in, true, d.fake_activation}, o.fp8, d.hp_wgrad, d, s->x_dtype);
@@ -330,6 +334,27 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
   }
 
  private:
+  // The backward as differentiable torch ops, for gradients of gradients (a gradient penalty):
+  // high precision on one device only -- an FP8 cast has no useful derivative, and the
+  // collectives here are not differentiable -- and a clear error otherwise, never a silently
+  // detached dx.
+  static variable_list differentiable_backward(AutogradContext* ctx, const at::Tensor& dy,
+                                               const at::Tensor& x2, const at::Tensor& weight,
+                                               const Saved& s) {
+    const LinearOptions& o = s.o;
+    TORCH_CHECK(!o.fp8 && o.parallel_mode == ParallelMode::kNone && !o.fuse_wgrad_accumulation,
+                "tpfp8.Linear supports double backward (create_graph=True) only in high "
+                "precision on one device without fuse_wgrad_accumulation; this call used ",
+                o.fp8 ? "FP8" : o.parallel_mode != ParallelMode::kNone ? "tensor parallelism"
+                                                                        : "fuse_wgrad_accumulation",
+                ". Run the layer outside fp8_autocast (and unsplit) for a gradient penalty");
+    at::Tensor dx, dw, db;
+    if (ctx->needs_input_grad(0)) dx = shaped(dy.mm(weight).to(s.x_dtype), s.x_shape);
+    if (ctx->needs_input_grad(1)) dw = dy.t().mm(x2).to(weight.scalar_type());
+    if (s.bias_dtype && ctx->needs_input_grad(2)) db = dy.sum(0).to(*s.bias_dtype);
+    return {dx, dw, db, at::Tensor(), at::Tensor()};
+  }
+
   static Prepared prepare_input(const at::Tensor& x2, const LinearOptions& o, bool need_wgrad,
                                 Saved& s) {
     const bool gather = gathers_input(o);
