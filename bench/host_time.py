@@ -94,8 +94,7 @@ def primitives(device, size):
     ours = tpfp8.Linear(size, size, bias=False, device=device, dtype=torch.bfloat16)
     with tpfp8.fp8_autocast(recipe=tpfp8.DelayedScaling()):
         ours(x)
-        opts = _C.LinearOptions()
-        ours._fp8_options(opts, tpfp8.autocast.current(), x.device, None)
+        opts = ours._build_options(tpfp8.autocast.current(), x.device, ours.weight, None).options
     meta = ours._fwd_meta
     gemm = torch.ops.tpfp8.gemm
     return {

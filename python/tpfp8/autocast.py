@@ -134,23 +134,56 @@ class ScalingMeta:
     """Delayed-scaling state of one direction (forward or backward) of one module: scales and
     their inverses [n], and the amax histories of its n tensors, stored tensor-major
     (``history[i]`` is tensor i's history, newest first) so that one batched launch updates
-    every module in place."""
+    every module in place. Its tensors are never inference tensors, so state first made
+    under ``torch.inference_mode`` still loads and trains."""
 
-    def __init__(self, formats, recipe: DelayedScaling, device):
+    def __init__(self, formats, recipe: DelayedScaling, device, *, scale=None, scale_inv=None,
+                 history=None):
         n = len(formats)
-        self.scale = torch.ones(n, device=device)
-        self.scale_inv = torch.ones(n, device=device)
-        self.history = torch.zeros(n, recipe.amax_history_len, device=device)
+        with torch.inference_mode(False):
+            self.scale = torch.ones(n, device=device) if scale is None else scale
+            self.scale_inv = torch.reciprocal(self.scale) if scale_inv is None else scale_inv
+            self.history = (torch.zeros(n, recipe.amax_history_len, device=device)
+                            if history is None else history)
         self.fp8_max = [float(f.max) for f in formats]
         self._make_native(recipe, None)
+
+    def adopted(self, recipe: DelayedScaling, formats, device) -> "ScalingMeta":
+        """This state under `recipe`: itself when nothing changes, else a new object (this one
+        untouched until the caller keeps it). Another ``amax_history_len`` resizes the
+        histories keeping the newest entries (dropping the oldest, or padding with zeros, as
+        TransformerEngine does); another format rescales the scales by the ratio of the
+        formats' maxima (the scale stays fp8_max / amax); margin and algorithm are read by the
+        next update."""
+        if (recipe is self._recipe or recipe == self._recipe) and self.scale.device == device:
+            return self
+        fp8_max = [float(f.max) for f in formats]
+        with torch.inference_mode(False):
+            history = self.history.to(device)
+            length = recipe.amax_history_len
+            if history.shape[1] != length:
+                resized = history.new_zeros(history.shape[0], length)
+                keep = min(length, history.shape[1])
+                resized[:, :keep] = history[:, :keep]
+                history = resized
+            scale, scale_inv = self.scale.to(device), self.scale_inv.to(device)
+            if fp8_max != self.fp8_max:
+                scale = scale * torch.tensor([new / old for new, old in zip(fp8_max, self.fp8_max)],
+                                             device=device)
+                scale_inv = None  # 1 / scale, as every update computes it
+        return ScalingMeta(formats, recipe, device, scale=scale, scale_inv=scale_inv,
+                           history=history)
 
     def _make_native(self, recipe, amax_group) -> None:
         """The same state for C++, which runs every update: views of these tensors."""
         self.native = _C.DelayedUpdate()
         self.native.fp8_max = self.fp8_max
         self._share_with_native()
-        self._recipe = self._amax_group = None
-        self.recipe, self.amax_group = recipe, amax_group
+        self._recipe = recipe
+        self.native.margin = recipe.margin
+        self.native.use_history_max = recipe.amax_compute_algo == "max"
+        self._amax_group = None
+        self.amax_group = amax_group
 
     # Pickling and copy.deepcopy: the tensors travel, the C++ view of them is made anew, and
     # the amax group (every FP8 forward sets it again; a ProcessGroup does not pickle) stays.
@@ -167,13 +200,6 @@ class ScalingMeta:
     @property
     def recipe(self) -> DelayedScaling:
         return self._recipe
-
-    @recipe.setter
-    def recipe(self, recipe: DelayedScaling) -> None:
-        if recipe is not self._recipe:
-            self._recipe = recipe
-            self.native.margin = recipe.margin
-            self.native.use_history_max = recipe.amax_compute_algo == "max"
 
     @property
     def amax_group(self):
@@ -203,10 +229,6 @@ class ScalingMeta:
     def _share_with_native(self) -> None:
         self.native.history, self.native.scale = self.history, self.scale
         self.native.scale_inv = self.scale_inv
-
-    def matches(self, recipe, device) -> bool:
-        return (self.history.shape[1] == recipe.amax_history_len
-                and self.scale.device == torch.device(device))
 
     def state(self) -> dict:
         return {"scale": self.scale, "scale_inv": self.scale_inv,

@@ -153,16 +153,18 @@ class Linear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}")
 
-    # ---- FP8 state -------------------------------------------------------------------
+    # ---- FP8 state ----------------------------------------------------------------------
 
     def _delayed_metas(self, recipe: DelayedScaling, device):
+        """The forward and backward delayed-scaling state for `recipe`: the module's own, or
+        new objects made from it (a first FP8 step, or another history length or format). Only
+        a call that succeeds keeps new ones (`_commit`)."""
         fwd_fmt, grad_fmt = recipe.formats
-        if self._fwd_meta is None or not self._fwd_meta.matches(recipe, device):
-            self._fwd_meta = _autocast.ScalingMeta([fwd_fmt, fwd_fmt], recipe, device)
-            self._bwd_meta = _autocast.ScalingMeta([grad_fmt], recipe, device)
-            self._options_cache = (None,)  # its quantizers point at the old state
-        self._fwd_meta.recipe = self._bwd_meta.recipe = recipe
-        return self._fwd_meta, self._bwd_meta
+        if self._fwd_meta is None:
+            return (_autocast.ScalingMeta([fwd_fmt, fwd_fmt], recipe, device),
+                    _autocast.ScalingMeta([grad_fmt], recipe, device))
+        return (self._fwd_meta.adopted(recipe, [fwd_fmt, fwd_fmt], device),
+                self._bwd_meta.adopted(recipe, [grad_fmt], device))
 
     def __getstate__(self):
         """Pickling and copy.deepcopy (an EMA copy, ``AveragedModel``): the prepared C++
@@ -180,6 +182,13 @@ class Linear(nn.Module):
         memo[id(self)] = new
         new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         return new
+
+    def __setattr__(self, name, value):
+        # The tensor-parallel layout fixes the parameters' shapes: changing it needs a new layer.
+        if name in _FIXED_AFTER_INIT and name in self.__dict__ and value != self.__dict__[name]:
+            raise AttributeError(f"Linear.{name} is fixed when the layer is built (it sets the "
+                                 f"parameters' shapes and split); build a new tpfp8.Linear")
+        super().__setattr__(name, value)
 
     def _apply(self, fn, *args, **kwargs):
         """``.to()``, ``.cuda()``, ``.half()``...: the FP8 state moves with the parameters and
@@ -210,9 +219,10 @@ class Linear(nn.Module):
         w = self.weight
         return w.data_ptr() if w.device.type != "meta" else None, w.dtype, w.device
 
-    def _quantizers(self, recipe, device, replay=None):
-        """The input, weight and gradient quantizer specs; `replay`: a checkpoint recompute's
-        forward scales (its amaxes, in the history already, go to scratch)."""
+    def _quantizers(self, recipe, metas, replay=None):
+        """The input, weight and gradient quantizer specs; `metas`: the delayed-scaling state
+        they cast with; `replay`: a checkpoint recompute's forward scales (its amaxes, in the
+        history already, go to scratch)."""
         fwd_fmt, grad_fmt = recipe.formats
         specs = [_C.QuantizerSpec() for _ in range(3)]
         for spec, fmt in zip(specs, (fwd_fmt, fwd_fmt, grad_fmt)):
@@ -223,10 +233,11 @@ class Linear(nn.Module):
             for spec in specs:
                 spec.epsilon = recipe.amax_epsilon
             return specs
-        fwd, bwd = self._delayed_metas(recipe, device)
+        fwd, bwd = metas
         for spec, col in ((specs[0], _INPUT), (specs[1], _WEIGHT)):
             spec.scale = (fwd.scale if replay is None else replay)[col:col + 1]
-            spec.amax = fwd.amax_slot(col) if replay is None else torch.zeros(1, device=device)
+            spec.amax = (fwd.amax_slot(col) if replay is None
+                         else torch.zeros(1, device=fwd.scale.device))
         specs[2].scale, specs[2].amax = bwd.scale[:1], bwd.amax_slot(0)
         specs[2].after_backward = bwd.native  # C++ updates it when backward is done
         return specs
@@ -240,14 +251,22 @@ class Linear(nn.Module):
                 "recipe": dataclasses.asdict(self._fwd_meta.recipe)}
 
     def set_extra_state(self, state) -> None:
+        """Loads the FP8 state as it was saved (its recipe, its history length); a forward
+        with another ``amax_history_len`` then resizes the histories, keeping the newest
+        entries."""
         if not state:
             return
         recipe = state["recipe"]
         if isinstance(recipe, dict):  # (older checkpoints hold the DelayedScaling itself)
             recipe = DelayedScaling(**recipe)
-        self._delayed_metas(recipe, self.weight.device)
-        self._fwd_meta.load(state["forward"])
-        self._bwd_meta.load(state["backward"])
+        fwd_fmt, grad_fmt = recipe.formats
+        device = self.weight.device
+        fwd = _autocast.ScalingMeta([fwd_fmt, fwd_fmt], recipe, device)
+        bwd = _autocast.ScalingMeta([grad_fmt], recipe, device)
+        fwd.load(state["forward"])
+        bwd.load(state["backward"])
+        self._fwd_meta, self._bwd_meta = fwd, bwd
+        self._options_cache = (None,)  # its quantizers point at the old state
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # A plain nn.Linear checkpoint has no _extra_state: accept it.
@@ -274,73 +293,111 @@ class Linear(nn.Module):
                              f"{weight.device}; move one of them")
 
     def _weight_cache_buffers(self, is_first_microbatch):
+        """(mode, buffers): new buffers (kept only if the call succeeds) on a first call."""
         if is_first_microbatch is None:
             return _C.WeightCache.NONE, None
         if not is_first_microbatch and self._weight_cache is None:
             raise ValueError("is_first_microbatch=False needs an earlier call with "
                              "is_first_microbatch=True to cache the FP8 weight")
-        if self._weight_cache is None:
+        cache = self._weight_cache
+        if cache is None:
             n, k = self.weight.shape
             u8 = {"dtype": torch.uint8, "device": self.weight.device}
-            self._weight_cache = (torch.empty(n, k, **u8), torch.empty(k, n, **u8),
-                                  torch.empty(1, device=self.weight.device))
-        return (_C.WeightCache.FILL if is_first_microbatch else _C.WeightCache.REUSE,
-                self._weight_cache)
+            with torch.inference_mode(False):  # state outlives an inference_mode call
+                cache = (torch.empty(n, k, **u8), torch.empty(k, n, **u8),
+                         torch.empty(1, device=self.weight.device))
+        return (_C.WeightCache.FILL if is_first_microbatch else _C.WeightCache.REUSE), cache
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         """``x [..., in_features] -> [..., out_features]``.
 
         ``is_first_microbatch``: None casts the weight to FP8 every call; True casts and
         caches it; False reuses the cache (the weights must not have changed since).
+
+        A call that raises (bad input, a rejected option) leaves the module as it was: FP8
+        state, weight cache and ``weight.main_grad`` are only changed by calls that succeed.
         """
         param = self.weight
         self._check(x, param)
+        if x.device.type == "meta":
+            return self._meta_forward(x)
         frame = _autocast.current()
         x, weight, bias = self._compute_dtype(x, param, in_fp8=frame is not None)
         bias_out = None
         if self.return_bias:
             bias_out, bias = bias, None
         replay = _autocast.replayed_scales(frame, self)
-        opts = self._options(frame, x.device, param, is_first_microbatch, replay)
-        y = _C.linear(x, weight, bias, opts)
+        call = self._prepare(frame, x.device, param, is_first_microbatch, replay)
+        y = _C.linear(x, weight, bias, call.options)
+        self._commit(call, param)
         if frame is not None and isinstance(frame["recipe"], DelayedScaling):
             self._schedule_updates(is_first_microbatch)
             _autocast.record_scales(frame, self, self._fwd_meta.scale if replay is None else replay)
         return (y, bias_out) if self.return_bias else y
 
-    def _options(self, frame, device, weight, is_first_microbatch, replay=None):
-        """The C++ call's options (`weight`: the parameter, not a torch.autocast copy).
-        Building them costs more host time than the rest of a forward's Python, so they are
-        kept and reused while what they are made of stays the same (debugged calls and
-        checkpoint recomputes, `replay`, build their own)."""
-        if self.fuse_wgrad_accumulation and weight.requires_grad and getattr(
-                weight, "main_grad", None) is None:
-            weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)
-        debug = _debug.options_for(self)
-        key = (None if frame is None else (frame["recipe"], frame["amax_group"]), device,
-               is_first_microbatch, id(weight), weight.requires_grad,
-               id(getattr(weight, "main_grad", None)), self.save_original_input,
-               self._quantize_after_gather)
-        if debug is None and replay is None and self._options_cache[0] == key:
-            return self._options_cache[1]
-        opts = self._build_options(frame, device, is_first_microbatch, replay)
-        if debug is not None:
-            opts.debug = debug
-        elif replay is None:  # the ids' objects are kept alive, so their ids stay theirs
-            self._options_cache = (key, opts, (weight, getattr(weight, "main_grad", None)))
-        return opts
+    def _meta_forward(self, x):
+        """On the meta device (deferred initialisation, shape tracing): the output's shape and
+        dtype, as ``nn.Linear`` gives there, with sequence parallelism's change of dim 0."""
+        tp = _parallel.group_size(self.tp_group) if self.sequence_parallel else 1
+        if self.sequence_parallel and self.parallel_mode == "column":
+            x = x.repeat(tp, *([1] * (x.dim() - 1)))
+        elif self.sequence_parallel:
+            x = x[:x.shape[0] // tp]
+        bias = None if self.return_bias else self.bias
+        y = nn.functional.linear(x, self.weight.to(x.dtype), bias)
+        return (y, self.bias) if self.return_bias else y
 
-    def _build_options(self, frame, device, is_first_microbatch, replay=None):
-        opts = _C.LinearOptions()
+    def _config_key(self, frame, device, weight, is_first_microbatch):
+        """Everything the prepared C++ options are made of: any change makes new ones."""
+        return (None if frame is None else (frame["recipe"], frame["amax_group"]), device,
+                is_first_microbatch, id(weight), weight.requires_grad,
+                id(getattr(weight, "main_grad", None)), self.save_original_input,
+                self.fuse_wgrad_accumulation, self._quantize_after_gather)
+
+    def _prepare(self, frame, device, weight, is_first_microbatch, replay=None):
+        """The C++ call's options and the state it needs (`weight`: the parameter, not a
+        torch.autocast copy). Building options costs more host time than the rest of a
+        forward's Python, so they are kept and reused while what they are made of stays the
+        same (debugged calls and checkpoint recomputes, `replay`, build their own)."""
+        debug = _debug.options_for(self)
+        key = self._config_key(frame, device, weight, is_first_microbatch)
+        if debug is None and replay is None and self._options_cache[0] == key:
+            return _Call(self._options_cache[1])
+        call = self._build_options(frame, device, weight, is_first_microbatch, replay)
+        if debug is not None:
+            call.options.debug = debug
+        elif replay is None:
+            call.key_of = (frame, device, is_first_microbatch)
+        return call
+
+    def _commit(self, call: "_Call", weight) -> None:
+        """Keeps what a successful call made: new FP8 state, weight cache, main_grad, and the
+        options for the next call."""
+        if call.main_grad is not None:
+            weight.main_grad = call.main_grad
+        if call.metas is not None:
+            if call.metas != (self._fwd_meta, self._bwd_meta):
+                self._fwd_meta, self._bwd_meta = call.metas
+            self._fwd_meta.amax_group = self._bwd_meta.amax_group = call.amax_group
+        if call.weight_cache is not None:
+            self._weight_cache = call.weight_cache
+        if call.key_of is not None:  # (after main_grad is set: the key names it)
+            key = self._config_key(call.key_of[0], call.key_of[1], weight, call.key_of[2])
+            # The ids' objects are kept alive, so the ids stay theirs.
+            self._options_cache = (key, call.options, (weight, getattr(weight, "main_grad", None)))
+
+    def _build_options(self, frame, device, weight, is_first_microbatch, replay=None):
+        call = _Call(_C.LinearOptions())
         if frame is not None:
-            self._fp8_options(opts, frame, device, is_first_microbatch, replay)
-        self._wgrad_options(opts, is_first_microbatch)
+            self._fp8_options(call, frame, device, is_first_microbatch, replay)
+        self._wgrad_options(call, weight, is_first_microbatch)
+        opts = call.options
         if self.parallel_mode:
             opts.parallel_mode = _PARALLEL[self.parallel_mode]
             opts.sequence_parallel = self.sequence_parallel
             opts.tp_group = self.tp_group
             opts.quantize_after_gather = self._quantize_after_gather
-        return opts
+        return call
 
     def _compute_dtype(self, x, weight, in_fp8: bool):
         """(x, weight, bias) in the dtype the GEMMs run in: torch.autocast's if enabled (the
@@ -356,7 +413,7 @@ class Linear(nn.Module):
                              f"convert one of them or use torch.autocast")
         return x, weight, bias
 
-    def _fp8_options(self, opts, frame, device, is_first_microbatch, replay=None) -> None:
+    def _fp8_options(self, call, frame, device, is_first_microbatch, replay=None) -> None:
         """Quantizers, recipe checks and the weight cache; raises before any state changes."""
         recipe = frame["recipe"]
         if self.save_original_input and isinstance(recipe, DelayedScaling):
@@ -368,28 +425,52 @@ class Linear(nn.Module):
             raise ValueError(f"FP8 Linear needs in_features and out_features (per rank) to "
                              f"be multiples of 16, got {k} and {n}; pad the layer or "
                              f"run it outside fp8_autocast")
-        amax_group = _parallel.amax_group_for(self.tp_group, self.sequence_parallel,
-                                              frame["amax_group"])
-        mode, cache = self._weight_cache_buffers(is_first_microbatch)
-        opts.fp8 = True
-        opts.input, opts.weight, opts.grad = self._quantizers(recipe, device, replay)
+        call.amax_group = _parallel.amax_group_for(self.tp_group, self.sequence_parallel,
+                                                   frame["amax_group"])
+        mode, call.weight_cache = self._weight_cache_buffers(is_first_microbatch)
         if isinstance(recipe, DelayedScaling):
-            self._fwd_meta.amax_group = self._bwd_meta.amax_group = amax_group
+            with torch.inference_mode(False):  # state outlives an inference_mode call
+                call.metas = self._delayed_metas(recipe, device)
+        opts = call.options
+        opts.fp8 = True
+        opts.input, opts.weight, opts.grad = self._quantizers(recipe, call.metas, replay)
         opts.save_original_input = self.save_original_input
         opts.weight_cache = mode
-        if cache is not None:
+        if call.weight_cache is not None:
             (opts.weight_cache_rowwise, opts.weight_cache_columnwise,
-             opts.weight_cache_scale_inv) = cache
+             opts.weight_cache_scale_inv) = call.weight_cache
 
-    def _wgrad_options(self, opts, is_first_microbatch) -> None:
-        if self.fuse_wgrad_accumulation and self.weight.requires_grad:
-            opts.fuse_wgrad_accumulation = True
-            opts.main_grad = self.weight.main_grad
-            opts.main_grad_overwrite = bool(is_first_microbatch)
+    def _wgrad_options(self, call, weight, is_first_microbatch) -> None:
+        if not (self.fuse_wgrad_accumulation and weight.requires_grad):
+            return
+        main_grad = getattr(weight, "main_grad", None)
+        if main_grad is None:
+            with torch.inference_mode(False):
+                main_grad = call.main_grad = torch.zeros_like(weight, dtype=torch.float32)
+        call.options.fuse_wgrad_accumulation = True
+        call.options.main_grad = main_grad
+        call.options.main_grad_overwrite = bool(is_first_microbatch)
 
     def _schedule_updates(self, is_first_microbatch) -> None:
         if is_first_microbatch is not False:  # a reused weight cache recorded no new amax
             _autocast.register_forward(self._fwd_meta)
+
+
+# Set in __init__ and fixed after: they decide the parameters' shapes and split.
+_FIXED_AFTER_INIT = frozenset(
+    ("in_features", "out_features", "parallel_mode", "tp_group", "sequence_parallel"))
+
+
+@dataclasses.dataclass
+class _Call:
+    """One forward's C++ options and the state made for them, kept by `Linear._commit` only
+    once the call has succeeded."""
+    options: "_C.LinearOptions"
+    metas: Optional[tuple] = None        # (forward, backward) delayed-scaling state
+    amax_group: Optional[object] = None
+    weight_cache: Optional[tuple] = None
+    main_grad: Optional[torch.Tensor] = None  # made for this call (the weight had none)
+    key_of: Optional[tuple] = None  # (frame, device, is_first_microbatch) if kept for reuse
 
 
 def swap_linear(model: nn.Module,

@@ -1,4 +1,5 @@
 """FP8 recipes: how scales are chosen. One frozen object per choice, validated on creation."""
+import math
 from dataclasses import dataclass
 
 from .formats import Fp8Format
@@ -52,8 +53,9 @@ class CurrentScaling:
 
     def __post_init__(self):
         _check_format(self.fp8_format)
-        if not self.amax_epsilon >= 0.0:
-            raise ValueError(f"amax_epsilon must be >= 0, got {self.amax_epsilon!r}")
+        if not 0.0 <= self.amax_epsilon < math.inf:  # inf would make every scale 0
+            raise ValueError(f"amax_epsilon must be a finite number >= 0 (the smallest amax "
+                             f"a scale is computed from), got {self.amax_epsilon!r}")
 
     @property
     def formats(self):
