@@ -21,7 +21,10 @@ Per layer (a regex on ``Linear(name=...)``) and step, a rule can:
 The config may also be a path to a JSON or YAML file. Statistics are written as JSON lines to
 ``log_dir/tpfp8_debug_rank{R}.jsonl`` and to the ``tpfp8.debug`` logger; under tensor
 parallelism a sharded tensor's statistics are reduced over the group, so they describe the
-whole tensor. A layer with no matching rule at a step runs exactly the normal path.
+whole tensor and are the same on every rank (``scale_inv`` is the largest of the shards',
+``scale_inv_min`` the smallest). ``overflow_pct`` counts the values the cast clipped: those
+that round above the format's max, not those within rounding of it. A layer with no matching
+rule at a step runs exactly the normal path.
 """
 import json
 import logging
@@ -208,24 +211,28 @@ def _statistics(used, original, scale_inv, fmt, group) -> dict:
         o = original.double()
         scale = torch.reciprocal(scale_inv.float())
         nonzero = o != 0
-        saturated = (original.float() * scale).abs() >= Fp8Format(fmt).max
-        sums += [(nonzero & (u == 0)).sum(), nonzero.sum(), saturated.sum(), ((u - o) ** 2).sum()]
+        clipped = Fp8Format(fmt).clipped(original.float() * scale)  # fp32, as the cast
+        sums += [(nonzero & (u == 0)).sum(), nonzero.sum(), clipped.sum(), ((u - o) ** 2).sum()]
     sums = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=u.device) for v in sums])
-    lo, hi = u.min().reshape(1), u.max().reshape(1)
+    # Minima and maxima (with the shards' scale_inv under current scaling, each rank its own).
+    lo, hi = u.min().reshape(1).double(), u.max().reshape(1).double()
+    if fp8:
+        lo = torch.cat([lo, scale_inv.reshape(1).double()])
+        hi = torch.cat([hi, scale_inv.reshape(1).double()])
     if group is not None:
         dist.all_reduce(sums, group=group)
         dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
         dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
-    s = sums.tolist()
+    s, lo, hi = sums.tolist(), lo.tolist(), hi.tolist()
     n, total, total_sq, l1 = s[:4]
     mean = total / n
-    out = {"amax": max(abs(lo.item()), abs(hi.item())), "min": lo.item(), "max": hi.item(),
+    out = {"amax": max(abs(lo[0]), abs(hi[0])), "min": lo[0], "max": hi[0],
            "mean": mean, "std": math.sqrt(max(total_sq / n - mean * mean, 0.0)),
            "l1_norm": l1, "l2_norm": math.sqrt(total_sq)}
     if fp8:
-        under, nonzeros, saturated, sq_err = s[4:]
+        under, nonzeros, clipped, sq_err = s[4:]
         out.update(underflow_pct=100.0 * under / max(nonzeros, 1.0),
-                   overflow_pct=100.0 * saturated / n, scale_inv=float(scale_inv.item()),
+                   overflow_pct=100.0 * clipped / n, scale_inv=hi[1], scale_inv_min=lo[1],
                    mse=sq_err / n)
     return out
 
