@@ -406,6 +406,69 @@ def check_debug_seed_case(group):
     tpfp8.debug.shutdown()
 
 
+def check_nan_step(group):
+    """A NaN in one rank's shard of the input (column, sequence parallel, delayed scaling)
+    is dropped on every rank alike: afterwards each rank's forward state equals that of the
+    run without the bad step (MAX over a NaN is backend- and order-dependent, so NaN goes
+    into the all-reduce as Inf). Also with the NaN in the gradient of a row layer."""
+    recipe = tpfp8.DelayedScaling(amax_history_len=8)
+    global checks
+    for mode in ("column", "row"):
+        states = []
+        for bad in (False, True):
+            torch.manual_seed(11)
+            layer = tpfp8.Linear(K, N, parallel_mode=mode, tp_group=group,
+                                 sequence_parallel=True, device=DEVICE)
+            for step in range(4):
+                torch.manual_seed(200 + step)
+                full_x = torch.randn(S, B, K, device=DEVICE) * (step + 1)
+                full_dy = torch.randn(S, B, N, device=DEVICE)
+                if bad and step == 1:
+                    step_bad = full_x if mode == "column" else full_dy
+                    step_bad = step_bad.clone()
+                    step_bad[-1, 0, 0] = float("nan")  # in the last rank's rows only
+                    args = (step_bad, full_dy) if mode == "column" else (full_x, step_bad)
+                    step_tp(layer, mode, True, group, *args, recipe)
+                step_tp(layer, mode, True, group, full_x, full_dy, recipe)
+            extra = layer.state_dict()["_extra_state"]
+            states.append({d: extra[d] for d in ("forward", "backward")})
+        bad_dir = "forward" if mode == "column" else "backward"
+        for key in ("scale", "scale_inv", "amax_history"):
+            got, want = states[1][bad_dir][key], states[0][bad_dir][key]
+            got = got[..., 0] if bad_dir == "forward" else got  # the input's column
+            want = want[..., 0] if bad_dir == "forward" else want
+            checks += 1
+            assert torch.equal(got, want), f"{mode}: NaN step left a trace in {bad_dir} {key}"
+            checks += 1
+            assert len(set(gathered_scalars(float(got.sum())))) == 1, f"ranks differ: {key}"
+
+
+def check_sharded_records_identical(group):
+    """Debug records of a sharded tensor are the same on every rank: a column layer's weight
+    under current scaling has a scale per rank; scale_inv reports the largest, scale_inv_min
+    the smallest."""
+    tpfp8.debug.initialize([{"layers": "shard", "features": {
+        "log_stats": {"tensors": ["weight", "gradient"], "gemms": ["fprop", "dgrad"]}}}])
+    torch.manual_seed(12)
+    layer = tpfp8.Linear(K, N, parallel_mode="column", tp_group=group, device=DEVICE,
+                         name="shard")
+    with torch.no_grad():
+        layer.weight[0, 0] = 1.0 + dist.get_rank()  # a different amax, so scale, per rank
+    full_x = torch.randn(S, B, K, device=DEVICE)
+    full_dy = torch.randn(S, B, N, device=DEVICE)
+    step_tp(layer, "column", False, group, full_x, full_dy, tpfp8.CurrentScaling())
+    records = tpfp8.debug.records()
+    tpfp8.debug.shutdown()
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, records)
+    global checks
+    checks += 1
+    assert all(r == everyone[0] for r in everyone), "debug records differ between ranks"
+    w = [r for r in records if r["tensor"] == "weight"][0]
+    checks += 1
+    assert w["scale_inv"] > w["scale_inv_min"], "per-rank scales not both reported"
+
+
 def main():
     backend = os.environ.get("TP_BACKEND", "gloo")
     if DEVICE == "cuda":
@@ -419,6 +482,8 @@ def main():
     check_debug_disable_fp8_gemm(group)
     check_deepcopy(group)
     check_checkpoint(group)
+    check_nan_step(group)
+    check_sharded_records_identical(group)
     recipes = [None, tpfp8.DelayedScaling(amax_history_len=4), tpfp8.CurrentScaling()]
     for mode, sp, recipe, save_orig, bias in itertools.product(
             ("column", "row"), (False, True), recipes, (False, True), (True, False)):

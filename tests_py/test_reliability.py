@@ -1,0 +1,415 @@
+"""Faults a demanding user hits, each a test that failed before its fix: a NaN/Inf step, a
+rejected call, double backward, two threads, inference_mode state, a resumed checkpoint with
+other settings, the meta device, debug statistics, and attributes changed after a step.
+Numerics tests run on every device there is (the `device` fixture: CPU, and CUDA on a GPU)."""
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import tpfp8
+from conftest import gpu_skip_reason
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    gpu_skip_reason() is not None, reason=str(gpu_skip_reason())))]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
+
+def fp8_state(lin):
+    """The module's FP8 state as saved in a checkpoint: {direction: {name: tensor}}."""
+    extra = lin.state_dict()["_extra_state"]
+    return {d: {k: v.clone() for k, v in extra[d].items()} for d in ("forward", "backward")}
+
+
+def everything(lin):
+    """Every piece of a module's state a rejected call must leave alone, as comparable values."""
+    extra = lin.state_dict().get("_extra_state")
+    fp8 = None if extra is None else {d: {k: v.clone() for k, v in extra[d].items()}
+                                      for d in ("forward", "backward")}
+    main_grad = getattr(lin.weight, "main_grad", None)
+    return (fp8, None if main_grad is None else main_grad.clone(),
+            lin.state_dict()["weight"].clone())
+
+
+def same(a, b):
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return a == b
+
+
+# ---- 1. a NaN or Inf step never becomes a scale -------------------------------------
+
+def steps(lin, device, bad=None, bad_value=float("nan"), n=50, recipe=None):
+    """A step at 1x then `n` steps at 16x; `bad` ("input", "weight", "gradient") inserts a step
+    whose tensor holds `bad_value` right after the first."""
+    recipe = recipe or tpfp8.DelayedScaling()
+    torch.manual_seed(1)
+    data = [(torch.randn(16, 32, device=device) * (1 if i == 0 else 16),
+             torch.randn(16, 32, device=device)) for i in range(n + 1)]
+
+    def step(x, dy):
+        x = x.clone().requires_grad_(True)
+        with tpfp8.fp8_autocast(recipe=recipe):
+            y = lin(x)
+        y.backward(dy)
+
+    for i, (x, dy) in enumerate(data):
+        step(x, dy)
+        if i == 0 and bad is not None:
+            x, dy = x.clone(), dy.clone()
+            saved = lin.weight.detach().clone()
+            target = {"input": x, "gradient": dy}.get(bad)
+            with torch.no_grad():
+                (lin.weight if bad == "weight" else target)[0, 0] = bad_value
+            step(x, dy)
+            with torch.no_grad():
+                lin.weight.copy_(saved)
+    return fp8_state(lin)
+
+
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("bad", ["input", "weight", "gradient"])
+def test_a_bad_step_is_dropped_as_if_it_had_not_run(device, bad, bad_value):
+    """The bad tensor's scale and history after the run equal those of the run without the
+    bad step, bit for bit; before, a NaN froze the scale for amax_history_len steps."""
+    clean = steps(tpfp8.Linear(32, 32, device=device), device)
+    dirty = steps(tpfp8.Linear(32, 32, device=device), device, bad, bad_value)
+    direction, col = {"input": ("forward", 0), "weight": ("forward", 1),
+                      "gradient": ("backward", 0)}[bad]
+    for key in ("scale", "scale_inv"):
+        assert torch.equal(dirty[direction][key][col], clean[direction][key][col]), key
+    assert torch.equal(dirty[direction]["amax_history"][:, col],
+                       clean[direction]["amax_history"][:, col])
+    assert bool(torch.isfinite(dirty[direction]["amax_history"]).all())
+    if bad == "input":  # the issue's case: the scale follows the 16x steps (~121 -> ~9)
+        assert float(dirty["forward"]["scale"][0]) < 20
+
+
+def test_nan_step_with_most_recent_keeps_the_last_good_scale(device):
+    recipe = tpfp8.DelayedScaling(amax_history_len=1, amax_compute_algo="most_recent")
+    clean = steps(tpfp8.Linear(32, 32, device=device), device, n=3, recipe=recipe)
+    dirty = steps(tpfp8.Linear(32, 32, device=device), device, "input", n=3, recipe=recipe)
+    assert same(dirty["forward"]["scale"][0], clean["forward"]["scale"][0])
+
+
+# ---- 2. a rejected call changes nothing ---------------------------------------------
+
+def test_rejected_call_leaves_no_unfilled_weight_cache(device):
+    lin = tpfp8.Linear(32, 32, fuse_wgrad_accumulation=True, device=device)
+    lin.weight.main_grad = torch.zeros(32, 32, dtype=torch.bfloat16, device=device)  # wrong
+    x = torch.randn(8, 32, device=device)
+    with tpfp8.fp8_autocast(), pytest.raises(RuntimeError, match="main_grad as float32"):
+        lin(x, is_first_microbatch=True)
+    lin.weight.main_grad = torch.zeros(32, 32, device=device)
+    with tpfp8.fp8_autocast(), pytest.raises(ValueError, match="is_first_microbatch=True"):
+        lin(x, is_first_microbatch=False)  # no cache was made: refused, not uninitialised
+    with tpfp8.fp8_autocast():
+        first = lin(x, is_first_microbatch=True)
+        second = lin(x, is_first_microbatch=False)
+    assert bool(torch.isfinite(second).all()) and torch.equal(first, second)
+
+
+@pytest.mark.parametrize("recipe", [tpfp8.DelayedScaling(), tpfp8.CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_rejected_size_check_allocates_no_main_grad(recipe):
+    lin = tpfp8.Linear(24, 48, fuse_wgrad_accumulation=True)
+    with tpfp8.fp8_autocast(recipe=recipe), pytest.raises(ValueError, match="multiples of 16"):
+        lin(torch.randn(4, 24))
+    assert getattr(lin.weight, "main_grad", None) is None
+    assert lin.state_dict()["_extra_state"] is None
+
+
+@pytest.mark.parametrize("history_len", [1024, 16])
+def test_rejected_call_keeps_fp8_state_cache_and_main_grad(history_len):
+    """After real steps, a call rejected in C++ (main_grad of the wrong shape) under the same
+    or another recipe leaves scales, histories, the recipe, the weight cache and main_grad."""
+    lin = tpfp8.Linear(32, 32, fuse_wgrad_accumulation=True)
+    x = torch.randn(8, 32)
+    for first in (True, False):
+        with tpfp8.fp8_autocast():
+            lin(x, is_first_microbatch=first).sum().backward()
+    with tpfp8.fp8_autocast():
+        want = lin(x, is_first_microbatch=False)  # the same input: folds the same amax
+    before = everything(lin)
+    good_main_grad = lin.weight.main_grad
+    lin.weight.main_grad = torch.zeros(16, 32)
+    with tpfp8.fp8_autocast(recipe=tpfp8.DelayedScaling(amax_history_len=history_len)):
+        with pytest.raises(RuntimeError, match="main_grad"):
+            lin(x, is_first_microbatch=True)
+    lin.weight.main_grad = good_main_grad
+    assert same(everything(lin), before)
+    assert lin.state_dict()["_extra_state"]["recipe"]["amax_history_len"] == 1024
+    with tpfp8.fp8_autocast():
+        got = lin(x, is_first_microbatch=False)  # the cache from the real steps, still filled
+    assert torch.equal(got, want)
+
+
+# ---- 3. double backward -------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(8, 32), (2, 4, 32)])
+def test_double_backward_in_high_precision_matches_nn_linear(shape):
+    torch.manual_seed(0)
+    lin = tpfp8.Linear(32, 16)
+    ref = nn.Linear(32, 16)
+    ref.load_state_dict(lin.state_dict(), strict=False)
+    x = torch.randn(*shape)
+    grads = []
+    for module in (lin, ref):
+        xi = x.clone().requires_grad_(True)
+        (dx,) = torch.autograd.grad(module(xi).pow(2).sum(), xi, create_graph=True)
+        assert dx.requires_grad
+        penalty = dx.pow(2).sum()
+        grads.append(torch.autograd.grad(penalty, [xi, module.weight, module.bias]))
+    for ours, theirs in zip(*grads):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_double_backward_in_fp8_raises_clearly():
+    lin = tpfp8.Linear(32, 16)
+    x = torch.randn(8, 32, requires_grad=True)
+    with tpfp8.fp8_autocast(recipe=tpfp8.CurrentScaling()):
+        y = lin(x)
+    with pytest.raises(RuntimeError, match="double backward .* only in high precision"):
+        torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+
+
+# ---- 4. concurrent backward passes --------------------------------------------------
+
+def test_two_threads_each_update_their_own_layers(device):
+    """Two threads train their own layers at once; each ends exactly where it ends alone."""
+    def train(lin, seed, barrier=None):
+        gen = torch.Generator(device=device).manual_seed(seed)
+        for _ in range(40):
+            x = torch.randn(64, 32, device=device, generator=gen, requires_grad=True)
+            dy = torch.randn(64, 32, device=device, generator=gen) * (seed + 1)
+            if barrier is not None:
+                barrier.wait()
+            with tpfp8.fp8_autocast(recipe=tpfp8.DelayedScaling(amax_history_len=4)):
+                y = lin(x)
+            y.backward(dy)
+        return x.grad
+
+    def make():
+        torch.manual_seed(3)
+        return tpfp8.Linear(32, 32, device=device)
+
+    alone = [make(), make()]
+    alone_dx = [train(lin, seed) for seed, lin in enumerate(alone)]
+    together, results = [make(), make()], [None, None]
+    barrier = threading.Barrier(2)
+
+    def worker(i):
+        results[i] = train(together[i], i, barrier)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(2):
+        assert same(fp8_state(together[i]), fp8_state(alone[i])), f"thread {i}"
+        assert torch.equal(results[i], alone_dx[i])
+
+
+# ---- 5. state made under inference_mode ---------------------------------------------
+
+def test_fp8_state_made_under_inference_mode_reloads_and_trains(device):
+    lin = tpfp8.Linear(32, 32, device=device)
+    with torch.inference_mode(), tpfp8.fp8_autocast():
+        lin(torch.randn(8, 32, device=device))
+    saved = lin.state_dict()
+    fresh = tpfp8.Linear(32, 32, device=device)
+    fresh.load_state_dict(saved)
+    lin.load_state_dict(saved)  # into the state made under inference_mode
+    x = torch.randn(8, 32, device=device, requires_grad=True)
+    for module in (lin, fresh):
+        with tpfp8.fp8_autocast():
+            module(x).sum().backward()
+    assert same(fp8_state(lin), fp8_state(fresh))
+
+
+# ---- 6. another amax_history_len resizes, never discards ----------------------------
+
+def test_other_history_length_keeps_newest_entries_and_scales():
+    lin = tpfp8.Linear(32, 32)
+    for i in range(6):
+        with tpfp8.fp8_autocast(recipe=tpfp8.DelayedScaling(amax_history_len=8)):
+            lin(torch.randn(8, 32) * (i + 1))
+    before = fp8_state(lin)["forward"]
+    for length in (4, 16):
+        twin = tpfp8.Linear(32, 32)
+        twin.load_state_dict(lin.state_dict())
+        x = torch.randn(8, 32)
+        with tpfp8.fp8_autocast(recipe=tpfp8.DelayedScaling(amax_history_len=length)):
+            twin(x)
+        after = fp8_state(twin)["forward"]
+        history = after["amax_history"]
+        assert history.shape == (length, 2)
+        # Resized to the newest min(length, 8) rows, then rolled once: row 1 is this step's.
+        n = min(length - 1, 8)
+        assert torch.equal(history[2:n + 1], before["amax_history"][1:n])
+        assert not history[n + 1:].any() and not history[0].any()
+        assert float(history[1, 0]) == float(x.abs().max())
+        # The new scale comes from the kept history (and the step), not from scratch.
+        want = torch.tensor(448.0) / history[:, 0].max()
+        assert float(after["scale"][0]) == float(want)
+
+
+def test_resumed_checkpoint_with_other_history_length_casts_with_its_scales():
+    """The first step after a resume with another amax_history_len uses the saved scale (it
+    used 1 before): its output equals the output of the run that was not interrupted."""
+    torch.manual_seed(0)
+    lin = tpfp8.Linear(32, 32)
+    for _ in range(3):
+        with tpfp8.fp8_autocast():
+            lin(torch.randn(8, 32) * 50)
+    resumed = tpfp8.Linear(32, 32)
+    resumed.load_state_dict(lin.state_dict())
+    x = torch.randn(8, 32) * 50
+    with tpfp8.fp8_autocast():
+        want = lin(x)
+    with tpfp8.fp8_autocast(recipe=tpfp8.DelayedScaling(amax_history_len=32)):
+        got = resumed(x)
+    assert torch.equal(got, want)
+
+
+def test_other_format_rescales_the_gradient_scale():
+    lin = tpfp8.Linear(32, 32)
+    x = torch.randn(8, 32, requires_grad=True)
+    with tpfp8.fp8_autocast():
+        lin(x).sum().backward()
+    hybrid = fp8_state(lin)["backward"]["scale"]
+    with tpfp8.fp8_autocast(recipe=tpfp8.DelayedScaling(fp8_format="e4m3")):
+        lin(x)
+    e4m3 = fp8_state(lin)["backward"]["scale"]
+    assert float(e4m3[0]) == float(hybrid[0] * (448.0 / 57344.0))
+
+
+# ---- 7. recipe values, the meta device ----------------------------------------------
+
+@pytest.mark.parametrize("eps", [float("inf"), float("nan"), -1.0])
+def test_current_scaling_refuses_an_unusable_epsilon(eps):
+    with pytest.raises(ValueError, match="amax_epsilon must be a finite number"):
+        tpfp8.CurrentScaling(amax_epsilon=eps)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_meta_device_works_like_nn_linear(fp8):
+    lin = tpfp8.Linear(32, 48, device="meta")
+    ref = nn.Linear(32, 48, device="meta")
+    x = torch.randn(2, 4, 32, device="meta", requires_grad=True)
+    with tpfp8.fp8_autocast(enabled=fp8):
+        y = lin(x)
+    want = ref(x)
+    assert (y.shape, y.dtype, y.device) == (want.shape, want.dtype, want.device)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and lin.weight.grad.shape == lin.weight.shape
+    assert lin.state_dict()["_extra_state"] is None  # a shape pass makes no FP8 state
+
+
+def test_deferred_initialisation_then_fp8_training():
+    with torch.device("meta"):
+        model = nn.Sequential(tpfp8.Linear(32, 64), nn.GELU(), tpfp8.Linear(64, 16))
+    model(torch.randn(4, 32, device="meta"))
+    model.to_empty(device="cpu")
+    for layer in (model[0], model[2]):
+        layer.reset_parameters()
+    with tpfp8.fp8_autocast():
+        y = model(torch.randn(4, 32))
+    y.sum().backward()
+    assert bool(torch.isfinite(y).all()) and model[0].weight.grad is not None
+
+
+# ---- 8. debug statistics count what the cast clipped --------------------------------
+
+@pytest.mark.parametrize("value", [1.0, 3.0, 0.1, 7.0])
+def test_current_scaling_clips_nothing(value, tmp_path):
+    """A constant tensor's amax element is scaled to fp8_max within fp32 rounding: 0 %."""
+    tpfp8.debug.initialize([{"layers": "fc", "features": {
+        "log_stats": {"tensors": ["activation"], "gemms": ["fprop"]}}}])
+    try:
+        lin = tpfp8.Linear(32, 32, name="fc")
+        with tpfp8.fp8_autocast(recipe=tpfp8.CurrentScaling()):
+            lin(torch.full((8, 32), value))
+        (record,) = tpfp8.debug.records()
+    finally:
+        tpfp8.debug.shutdown()
+    assert record["overflow_pct"] == 0.0
+
+
+def test_delayed_scaling_counts_the_values_clipped():
+    """Scale from a step at amax 1; the next step's 4 outliers (of 256) are clipped, values
+    within rounding of 448 are not."""
+    lin = tpfp8.Linear(32, 32, name="fc")
+    with tpfp8.fp8_autocast():
+        lin(torch.full((8, 32), 1.0))
+    x = torch.full((8, 32), 0.5)
+    x[0, :4] = 2.0                       # 896 after scaling: clipped to 448
+    x[1, 0] = 464.0 / 448.0              # 464: the tie rounds down to 448, not clipped
+    x[1, 1] = 1.0                        # 448 exactly
+    tpfp8.debug.initialize([{"layers": "fc", "features": {
+        "log_stats": {"tensors": ["activation"], "gemms": ["fprop"]}}}])
+    try:
+        with tpfp8.fp8_autocast():
+            lin(x)
+        (record,) = tpfp8.debug.records()
+    finally:
+        tpfp8.debug.shutdown()
+    assert record["overflow_pct"] == 100.0 * 4 / 256
+
+
+def test_clip_thresholds_follow_the_encoder():
+    """Fp8Format.clipped agrees with the cast: a value is clipped exactly when the unbounded
+    round-to-nearest-even would exceed max, checked on the codes next to the threshold."""
+    for fmt, below, tie in ((tpfp8.Fp8Format.E4M3, 448.0, 464.0),
+                            (tpfp8.Fp8Format.E5M2, 57344.0, 61440.0)):
+        values = torch.tensor([below, tie, torch.nextafter(torch.tensor(tie),
+                                                           torch.tensor(1e9)).item()])
+        clipped = fmt.clipped(values).tolist()
+        assert clipped[0] is False and clipped[2] is True
+        assert clipped[1] is (fmt is tpfp8.Fp8Format.E5M2)  # ties to even: 448 even, 57344 odd
+
+
+# ---- 10. attributes changed after a step take effect or are refused -----------------
+
+def test_turning_off_wgrad_fusion_after_a_step_takes_effect():
+    lin = tpfp8.Linear(32, 32, fuse_wgrad_accumulation=True)
+    x = torch.randn(8, 32)
+    for _ in range(2):
+        with tpfp8.fp8_autocast():
+            lin(x).sum().backward()
+    main_grad = lin.weight.main_grad.clone()
+    assert lin.weight.grad is None
+    lin.fuse_wgrad_accumulation = False
+    with tpfp8.fp8_autocast():
+        lin(x).sum().backward()
+    assert torch.equal(lin.weight.main_grad, main_grad)
+    assert lin.weight.grad is not None
+
+
+def test_turning_on_save_original_input_after_a_step_takes_effect():
+    lin = tpfp8.Linear(32, 32)
+    recipe = tpfp8.CurrentScaling()
+    with tpfp8.fp8_autocast(recipe=recipe):
+        lin(torch.randn(8, 32))
+    lin.save_original_input = True
+    with tpfp8.fp8_autocast(), pytest.raises(ValueError, match="cannot be used with delayed"):
+        lin(torch.randn(8, 32))
+
+
+@pytest.mark.parametrize("name,value", [("parallel_mode", "column"), ("in_features", 64),
+                                        ("sequence_parallel", True), ("out_features", 16)])
+def test_layout_attributes_are_refused_after_construction(name, value):
+    lin = tpfp8.Linear(32, 32)
+    with pytest.raises(AttributeError, match=f"Linear.{name} is fixed"):
+        setattr(lin, name, value)
+    setattr(lin, name, getattr(lin, name))  # the same value is fine
