@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds tpfp8 on a GPU machine, runs the GPU tests and the benchmarks, writes logs to $OUT.
-#   OUT=/tmp/out bash bench/device_run.sh [gemm|cast|linear|debug|tp|demo|tests ...]
+#   OUT=/tmp/out bash bench/device_run.sh [gemm|cast|linear|debug|tp|demo|tests|soak|host ...]
 # (default: all). Each step's wall time goes to the log; JSON/PNG results are packed into
 # $OUT/results.tgz at the end (the device tool returns only a few files).
 # GoogleTest: the GPU machine has no libgtest; copy the sources there first, e.g. from this
@@ -37,6 +37,8 @@ for step in $steps; do
         python3 -m torch.distributed.run --standalone --nproc_per_node="$ngpu" bench/tp.py \
           --time --out "$OUT" 2>&1 | tee -a "$log" | grep -E '^\|'
       fi ;;
+    soak) python3 bench/soak.py --out "$OUT" 2>&1 | tee -a "$log" | grep -E '^\||soak' ;;
+    host) python3 bench/host_time.py 2>&1 | tee -a "$log" | grep -E '^\|' ;;
     demo) python3 -m tpfp8.demo --tp "$(( ngpu >= 2 ? 2 : 1 ))" --out "$OUT/demo" 2>&1 |
             tee -a "$log" | tail -6 ;;
     *) echo "unknown step $step" ;;
