@@ -38,7 +38,7 @@ for step in $steps; do
           --time --out "$OUT" 2>&1 | tee -a "$log" | grep -E '^\|'
       fi ;;
     soak) python3 bench/soak.py --out "$OUT" 2>&1 | tee -a "$log" | grep -E '^\||soak' ;;
-    host) python3 bench/host_time.py 2>&1 | tee -a "$log" | grep -E '^\|' ;;
+    host) python3 bench/host_time.py 2>&1 | tee -a "$log" ;;
     demo) python3 -m tpfp8.demo --tp "$(( ngpu >= 2 ? 2 : 1 ))" --out "$OUT/demo" 2>&1 |
             tee -a "$log" | tail -6 ;;
     *) echo "unknown step $step" ;;
