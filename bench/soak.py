@@ -9,10 +9,11 @@ the clean run's. Delayed scaling drops, per tensor, a step whose amax is NaN or 
 scales of the tensors the NaN reached (inputs, gradients) continue as in the clean run. The
 weights were finite on the NaN step, so their amaxes entered their histories one step before
 the clean run's did: the faulty run's weight scale can differ for a step, and from then on
-the two runs differ by rounding. So the check is the largest relative difference of any scale
-(and of the loss) at the step after each NaN: at rounding level (< 1e-3) it is back; a scale
-frozen by the NaN (the bug this guards against) is off by 10x and more. Current scaling keeps
-no state, so there the loss must match bit for bit.
+the two runs differ by rounding, a difference that grows slowly (the gradient scales follow
+it most: 2e-3 after 9 000 steps on an H200). So the checks at the step after each NaN: fc1's
+input scale (the tensor the NaN hit) equals the clean run's bit for bit, and no scale or loss
+differs by more than 1e-2 (a scale frozen by the NaN, the bug this guards against, is off by
+10x and more). Current scaling keeps no state: there the loss must match bit for bit.
 
   python bench/soak.py                        # 10 000 steps, NaN every 1 000, both recipes
   python bench/soak.py --steps 2000 --device cpu --hidden 64
@@ -101,6 +102,8 @@ def soak(recipe_name, args, device):
             diff = max([float(((f - c) / c).abs().max()) for c, f in zip(s_clean, s_faulty)],
                        default=0.0)
             after_nan.append({"step": step, "scale_rel_diff": diff,
+                              "fc1_input_scale_equal":
+                                  first_scale(s_clean) == first_scale(s_faulty),
                               "loss_rel_diff": abs(loss_faulty - loss_clean) / abs(loss_clean),
                               "fc1_input_scale_clean": first_scale(s_clean),
                               "fc1_input_scale_faulty": first_scale(s_faulty)})
@@ -160,8 +163,8 @@ def main(argv=None):
     device = torch.device(args.device)
     results = {name: soak(name, args, device) for name in args.recipes.split(",")}
     print("\n| recipe | RSS first -> last MiB | GPU first -> last MiB | NaN steps | "
-          "max scale diff after NaN | max loss diff after NaN |")
-    print("|---|---|---|---|---|---|")
+          "fc1 input scale == clean | max scale diff after NaN | max loss diff after NaN |")
+    print("|---|---|---|---|---|---|---|")
     ok = True
     for name, res in results.items():
         first, last = res["rows"][0], res["rows"][-1]
@@ -169,10 +172,12 @@ def main(argv=None):
         loss_diff = max((a["loss_rel_diff"] for a in res["after_nan"]), default=0.0)
         n = len(res["after_nan"])
         print(f"| {name} | {first['rss_mib']:.1f} -> {last['rss_mib']:.1f} | "
-              f"{first['gpu_mib']:.1f} -> {last['gpu_mib']:.1f} | {n} | {scale_diff:.1e} | "
-              f"{loss_diff:.1e} |")
+              f"{first['gpu_mib']:.1f} -> {last['gpu_mib']:.1f} | {n} | "
+              f"{sum(a['fc1_input_scale_equal'] for a in res['after_nan'])}/{n} | "
+              f"{scale_diff:.1e} | {loss_diff:.1e} |")
         exact = name == "current"
-        ok &= scale_diff < 1e-3 and (loss_diff == 0.0 if exact else loss_diff < 1e-3)
+        hit = all(a["fc1_input_scale_equal"] for a in res["after_nan"])
+        ok &= hit and scale_diff < 1e-2 and (loss_diff == 0.0 if exact else loss_diff < 1e-2)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "soak.json"), "w") as f:
         json.dump({"args": vars(args), "results": results}, f, indent=1)
