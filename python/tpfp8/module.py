@@ -89,7 +89,8 @@ class Linear(nn.Module):
         self._quantize_after_gather = False
         self._fwd_meta = None  # delayed scaling state, made on the first FP8 forward
         self._bwd_meta = None
-        self._options_cache = (None,)  # (what the options are made of, LinearOptions, refs)
+        # (what the options are made of, LinearOptions, refs, a _Call of them for reuse)
+        self._options_cache = (None,)
         self._weight_cache = None
         self.reset_parameters()
 
@@ -319,7 +320,7 @@ class Linear(nn.Module):
         """
         param = self.weight
         self._check(x, param)
-        if x.device.type == "meta":
+        if x.is_meta:
             return self._meta_forward(x)
         frame = _autocast.current()
         x, weight, bias = self._compute_dtype(x, param, in_fp8=frame is not None)
@@ -362,7 +363,7 @@ class Linear(nn.Module):
         debug = _debug.options_for(self)
         key = self._config_key(frame, device, weight, is_first_microbatch)
         if debug is None and replay is None and self._options_cache[0] == key:
-            return _Call(self._options_cache[1])
+            return self._options_cache[3]  # nothing left to commit
         call = self._build_options(frame, device, weight, is_first_microbatch, replay)
         if debug is not None:
             call.options.debug = debug
@@ -384,7 +385,8 @@ class Linear(nn.Module):
         if call.key_of is not None:  # (after main_grad is set: the key names it)
             key = self._config_key(call.key_of[0], call.key_of[1], weight, call.key_of[2])
             # The ids' objects are kept alive, so the ids stay theirs.
-            self._options_cache = (key, call.options, (weight, getattr(weight, "main_grad", None)))
+            self._options_cache = (key, call.options, (weight, getattr(weight, "main_grad", None)),
+                                   _Call(call.options))
 
     def _build_options(self, frame, device, weight, is_first_microbatch, replay=None):
         call = _Call(_C.LinearOptions())
