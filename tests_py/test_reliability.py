@@ -191,10 +191,12 @@ def test_two_threads_each_update_their_own_layers(device):
     updates were lost.)"""
     sizes = [(32, 16, 200), (256, 512, 8)]  # (features, tokens, steps) of each thread
 
-    def train(i, barrier=None):
-        features, tokens, steps = sizes[i]
+    def make(i):  # here, not in the threads: initialisation draws from the global RNG
         torch.manual_seed(3)
-        lin = tpfp8.Linear(features, features, device=device)
+        return tpfp8.Linear(sizes[i][0], sizes[i][0], device=device)
+
+    def train(i, lin, barrier=None):
+        features, tokens, steps = sizes[i]
         gen = torch.Generator(device=device).manual_seed(i)
         if barrier is not None:
             barrier.wait()
@@ -206,12 +208,12 @@ def test_two_threads_each_update_their_own_layers(device):
             y.backward(dy)
         return fp8_state(lin), x.grad
 
-    alone = [train(i) for i in range(2)]
-    together = [None, None]
+    alone = [train(i, make(i)) for i in range(2)]
+    layers, together = [make(i) for i in range(2)], [None, None]
     barrier = threading.Barrier(2)
 
     def worker(i):
-        together[i] = train(i, barrier)
+        together[i] = train(i, layers[i], barrier)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
     for t in threads:
