@@ -345,8 +345,9 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     TORCH_CHECK(!o.fp8 && o.parallel_mode == ParallelMode::kNone && !o.fuse_wgrad_accumulation,
                 "tpfp8.Linear supports double backward (create_graph=True) only in high "
                 "precision on one device without fuse_wgrad_accumulation; this call used ",
-                o.fp8 ? "FP8" : o.parallel_mode != ParallelMode::kNone ? "tensor parallelism"
-                                                                        : "fuse_wgrad_accumulation",
+                o.fp8                                    ? "FP8"
+                : o.parallel_mode != ParallelMode::kNone ? "tensor parallelism"
+                                                         : "fuse_wgrad_accumulation",
                 ". Run the layer outside fp8_autocast (and unsplit) for a gradient penalty");
     at::Tensor dx, dw, db;
     if (ctx->needs_input_grad(0)) dx = shaped(dy.mm(weight).to(s.x_dtype), s.x_shape);

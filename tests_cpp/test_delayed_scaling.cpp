@@ -58,13 +58,14 @@ TEST(DelayedScaling, FollowsFormulaAndRolls) {
                        margin, true);
     delayed_scaling_update_cpu(p);
     for (int64_t i = 0; i < st.n; ++i) {
-      EXPECT_EQ(st.history[i], 0.0f);  // row 0 cleared for the next step
+      EXPECT_EQ(st.history[i], 0.0f);           // row 0 cleared for the next step
       if (!std::isfinite(before.history[i])) {  // a bad step: dropped, nothing else moves
         EXPECT_TRUE(same_bytes<float>({st.scale[i], st.scale_inv[i]},
                                       {before.scale[i], before.scale_inv[i]}))
             << "tensor " << i;
         for (int64_t r = 1; r < st.len; ++r) {
-          EXPECT_TRUE(same_bytes<float>({st.history[r * st.n + i]}, {before.history[r * st.n + i]}));
+          EXPECT_TRUE(
+              same_bytes<float>({st.history[r * st.n + i]}, {before.history[r * st.n + i]}));
         }
         continue;
       }
@@ -73,10 +74,10 @@ TEST(DelayedScaling, FollowsFormulaAndRolls) {
         const float a = before.history[r * st.n + i];
         if (std::isfinite(a)) amax = std::max(amax, a);  // older non-finite rows are ignored
       }
-      const double want = amax == 0.0f ? before.scale[i]
-                                       : std::min<double>(FLT_MAX, double(float(before.fp8_max[i] /
-                                                                                amax)) *
-                                                                       std::ldexp(1.0, -margin));
+      const double want = amax == 0.0f
+                              ? before.scale[i]
+                              : std::min<double>(FLT_MAX, double(float(before.fp8_max[i] / amax)) *
+                                                              std::ldexp(1.0, -margin));
       EXPECT_EQ(st.scale[i], static_cast<float>(want)) << "tensor " << i;
       EXPECT_EQ(st.scale_inv[i], 1.0f / st.scale[i]);
       for (int64_t r = 1; r < st.len; ++r) {

@@ -17,7 +17,6 @@ namespace tpfp8 {
 // Current scaling's scale of a tensor whose amax is known: fp8_max / max(amax, epsilon) in
 // fp32; 1 when amax is 0 or not finite; FLT_MAX when the quotient overflows.
 TPFP8_HD float current_scale(float amax, float epsilon, Fp8Format f) {
-  constexpr float kFloatMax = 3.402823466e38f;
   if (!(amax > 0.0f) || !(amax <= kFloatMax)) return 1.0f;  // 0, inf or NaN
   const float s = fp8_max(f) / (amax > epsilon ? amax : epsilon);
   return s <= kFloatMax ? s : kFloatMax;

@@ -55,18 +55,18 @@ cudaError_t delayed_scaling_update_batch_cuda(const DelayedScalingBatch& b, cuda
 void delayed_scaling_update_batch_cpu(const DelayedScalingBatch& b);
 
 // Whether an amax may enter the history and the scale: finite and not negative.
-TPFP8_HD bool usable_amax(float amax) { return amax >= 0.0f && amax <= 3.402823466e38f; }
+TPFP8_HD bool usable_amax(float amax) { return amax >= 0.0f && amax <= kFloatMax; }
 
 // An amax as bits whose unsigned max is the float max; unusable amaxes count as 0.
 TPFP8_HD uint32_t amax_bits(float amax) { return usable_amax(amax) ? float_bits(amax) : 0u; }
 
 // One tensor's new scale from its amax (shared by the CPU reference and the kernel).
 TPFP8_HD float scale_from_amax(float amax, float old_scale, float fp8_max, int margin) {
-  if (!(amax > 0.0f) || !(amax <= 3.402823466e38f)) return old_scale;  // 0, inf or NaN
+  if (!(amax > 0.0f) || !(amax <= kFloatMax)) return old_scale;  // 0, inf or NaN
   float s = fp8_max / amax;
   // 2^-margin applied as a separate exact power-of-two product, identical on host and device.
   s = s * bits_float(static_cast<uint32_t>(127 - margin) << 23);
-  return s <= 3.402823466e38f ? s : 3.402823466e38f;
+  return s <= kFloatMax ? s : kFloatMax;
 }
 
 }  // namespace tpfp8

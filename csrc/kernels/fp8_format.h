@@ -22,6 +22,9 @@ enum class Fp8Format : int { kE4M3 = 0, kE5M2 = 1 };
 // reference and the GPU byte-identical whatever NaN payload or sign the input carries.
 constexpr uint8_t kFp8NaN = 0x7F;
 
+// The largest finite fp32 (FLT_MAX, spelled out: <cfloat> is not usable in device code).
+constexpr float kFloatMax = 3.402823466e38f;
+
 struct Fp8Traits {
   int mantissa_bits;
   int exponent_bias;
