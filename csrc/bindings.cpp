@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include "kernels/gemm.h"
 #include "linear.h"
 
 namespace py = pybind11;
@@ -17,9 +18,20 @@ PYBIND11_MODULE(_C, m) {
   m.attr("with_cuda") = false;
 #endif
   using namespace tpfp8;
+  // Codes and rules defined once, here in C++; tpfp8.formats and tpfp8.ops read them.
   py::enum_<Fp8Format>(m, "Fp8Format")
       .value("E4M3", Fp8Format::kE4M3)
       .value("E5M2", Fp8Format::kE5M2);
+  m.def(
+      "fp8_max", [](Fp8Format f) { return fp8_max(f); }, py::arg("format"),
+      "Largest finite magnitude of an FP8 format");
+  py::enum_<GemmType>(m, "GemmType", "Operand and output type codes of torch.ops.tpfp8.gemm")
+      .value("FLOAT32", GemmType::kFloat32)
+      .value("BFLOAT16", GemmType::kBFloat16)
+      .value("FLOAT16", GemmType::kFloat16)
+      .value("E4M3", GemmType::kE4M3)
+      .value("E5M2", GemmType::kE5M2);
+  m.attr("FP8_MULTIPLE") = kFp8Multiple;
   py::enum_<Scaling>(m, "Scaling")
       .value("NONE", Scaling::kNone)
       .value("DELAYED", Scaling::kDelayed)
@@ -91,6 +103,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("update_delayed", &update_delayed, py::arg("updates"),
         py::call_guard<py::gil_scoped_release>(),
         "Delayed-scaling update of many modules' states now (one launch per recipe/group)");
+  m.def("check_inputs", &check_inputs, py::arg("x"), py::arg("weight"), py::arg("bias"),
+        py::arg("options"), "Raises ValueError unless linear() can run these arguments");
   // Without the GIL: forward may wait on a collective while a communication thread needs the
   // GIL to free an earlier Python-owned tensor (a deadlock seen with gloo otherwise).
   m.def("linear", &linear, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("options"),

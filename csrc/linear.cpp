@@ -5,6 +5,7 @@
 #include <torch/autograd.h>
 
 #include "comm.h"
+#include "kernels/gemm.h"
 #include "ops.h"
 
 namespace tpfp8 {
@@ -13,12 +14,13 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-constexpr int64_t kFp8Multiple = 16;  // FP8 GEMMs need K-major dimensions in multiples of 16
-
 int64_t gemm_code(const at::Tensor& t) {
-  return t.scalar_type() == at::kBFloat16 ? 1 : t.scalar_type() == at::kHalf ? 2 : 0;
+  const at::ScalarType d = t.scalar_type();
+  return static_cast<int64_t>(d == at::kBFloat16 ? GemmType::kBFloat16
+                              : d == at::kHalf   ? GemmType::kFloat16
+                                                 : GemmType::kFloat32);
 }
-int64_t gemm_code(Fp8Format f) { return f == Fp8Format::kE4M3 ? 3 : 4; }
+int64_t gemm_code(Fp8Format f) { return static_cast<int64_t>(gemm_type(f)); }
 
 // Column-wise FP8 data [rows, M] contracted over M in wgrad: zero codes pad M to a multiple
 // of 16, which adds exact zeros to the sum. No copy when M is already aligned.
@@ -70,48 +72,63 @@ QuantizerSpec with_group_amax(QuantizerSpec spec, const ProcessGroupPtr& group) 
   return spec;
 }
 
+}  // namespace
+
+// The one check of a Linear call's arguments (Python calls it too, for the meta device): each
+// failure is a ValueError that says what was given and how to fix it.
 void check_inputs(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
                   const LinearOptions& o) {
   const int64_t n = weight.size(0), k = weight.size(1);
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "Linear expects input [..., in_features=", k,
-              "], got shape ", x.sizes(), "; the last dimension must be in_features");
-  TORCH_CHECK(at::isFloatingType(x.scalar_type()) && x.scalar_type() != at::kDouble,
-              "Linear input must be float32, bfloat16 or float16, got ", x.scalar_type());
-  TORCH_CHECK(x.device() == weight.device(), "Linear input is on ", x.device(),
-              " but its weight is on ", weight.device(), "; move the input (or the module)");
-  TORCH_CHECK(!bias || bias->device() == weight.device(), "bias is on ", bias->device(),
-              " but the weight on ", weight.device());
-  TORCH_CHECK(o.parallel_mode == ParallelMode::kNone ? !o.sequence_parallel : bool(o.tp_group),
-              "tensor parallelism needs tp_group, and sequence_parallel needs a parallel_mode");
+  const bool row = o.parallel_mode == ParallelMode::kRow;
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == k, "Linear expects input [..., in_features=", k,
+                    row ? " per rank" : "", "], got shape ", x.sizes(),
+                    "; the last dimension must be in_features");
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+                    "Linear input must be float32, bfloat16 or float16, got ", dtype);
+  TORCH_CHECK_VALUE(x.device() == weight.device(), "Linear input is on ", x.device(),
+                    " but its weight is on ", weight.device(), "; move the input (or the module)");
+  TORCH_CHECK_VALUE(!bias || bias->device() == weight.device(), "bias is on ", bias->device(),
+                    " but the weight on ", weight.device());
+  TORCH_CHECK_VALUE(
+      o.parallel_mode == ParallelMode::kNone ? !o.sequence_parallel : bool(o.tp_group),
+      "tensor parallelism needs tp_group, and sequence_parallel needs a parallel_mode");
   if (o.fp8) {
-    TORCH_CHECK(k % kFp8Multiple == 0 && n % kFp8Multiple == 0,
-                "FP8 Linear needs in_features and out_features to be multiples of 16 (FP8 "
-                "GEMMs on Hopper), got in_features=",
-                k, ", out_features=", n, "; pad the layer or run it outside fp8_autocast");
-    TORCH_CHECK(!(o.save_original_input && o.input.scaling == Scaling::kDelayed),
-                "save_original_input=True cannot be used with delayed scaling: the scale moves "
-                "between forward and backward, so re-quantizing would not reproduce the "
-                "forward's FP8 input; use CurrentScaling or save_original_input=False");
-    TORCH_CHECK(o.weight_cache != WeightCache::kReuse || o.weight_cache_rowwise.defined(),
-                "is_first_microbatch=False needs a weight cached by an earlier call with "
-                "is_first_microbatch=True");
+    TORCH_CHECK_VALUE(k % kFp8Multiple == 0 && n % kFp8Multiple == 0,
+                      "FP8 Linear needs in_features and out_features (per rank) to be multiples "
+                      "of ",
+                      kFp8Multiple, ", got ", k, " and ", n,
+                      " (Hopper's FP8 GEMMs need it); pad the layer or run it outside "
+                      "fp8_autocast");
+    TORCH_CHECK_VALUE(!(o.save_original_input && o.input.scaling == Scaling::kDelayed),
+                      "save_original_input=True cannot be used with delayed scaling: the scale "
+                      "moves between forward and backward, so re-quantizing would not reproduce "
+                      "the forward's FP8 input; use tpfp8.CurrentScaling() or "
+                      "save_original_input=False");
+    TORCH_CHECK_VALUE(o.weight_cache != WeightCache::kReuse || o.weight_cache_rowwise.defined(),
+                      "is_first_microbatch=False needs an earlier call with "
+                      "is_first_microbatch=True to cache the FP8 weight");
   } else {
-    TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "Linear input is ", x.scalar_type(),
-                " but the weight is ", weight.scalar_type(), " (outside FP8 both must match)");
+    TORCH_CHECK_VALUE(dtype == weight.scalar_type(), "Linear input is ", dtype,
+                      " but the weight is ", weight.scalar_type(),
+                      "; convert one of them or use torch.autocast (outside FP8 both must match)");
   }
   if (o.fuse_wgrad_accumulation) {
-    TORCH_CHECK(o.main_grad.defined() && o.main_grad.scalar_type() == at::kFloat &&
-                    o.main_grad.sizes() == weight.sizes() &&
-                    o.main_grad.device() == weight.device(),
-                "fuse_wgrad_accumulation needs weight.main_grad as float32 ", weight.sizes(),
-                " on the weight's device ", weight.device());
+    TORCH_CHECK_VALUE(o.main_grad.defined() && o.main_grad.scalar_type() == at::kFloat &&
+                          o.main_grad.sizes() == weight.sizes() &&
+                          o.main_grad.device() == weight.device(),
+                      "fuse_wgrad_accumulation needs weight.main_grad as float32 ",
+                      weight.sizes(), " on the weight's device ", weight.device());
   }
-  if (o.parallel_mode == ParallelMode::kRow && o.sequence_parallel) {
+  if (row && o.sequence_parallel) {
     const int64_t tp = o.tp_group->getSize();
-    TORCH_CHECK(x.size(0) % tp == 0, "row-parallel sequence parallelism splits dim 0 (", x.size(0),
-                ") over ", tp, " ranks: pad the sequence");
+    TORCH_CHECK_VALUE(x.size(0) % tp == 0, "sequence length (dim 0)=", x.size(0),
+                      " is not divisible by the tensor-parallel group size ", tp,
+                      "; pad the sequence");
   }
 }
+
+namespace {
 
 Fp8Tensor weight_fp8(const at::Tensor& weight, const LinearOptions& o, bool columnwise) {
   const Fp8Tensor cache{o.weight_cache_rowwise, o.weight_cache_columnwise, o.weight_cache_scale_inv,

@@ -81,6 +81,10 @@ struct LinearOptions {
 Fp8Tensor all_gather_fp8(const at::Tensor& local, const QuantizerSpec& spec,
                          const ProcessGroupPtr& group, Fp8Tensor* local_out = nullptr);
 
+// Raises ValueError (what was given, how to fix it) unless `linear` can run these arguments.
+void check_inputs(const at::Tensor& x, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias, const LinearOptions& options);
+
 // y = x W^T (+ bias) with autograd. x: [..., K] fp32/bf16/fp16; weight [N, K]; bias [N].
 // Every check runs before any FP8 state (amax history, caches) is touched.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,

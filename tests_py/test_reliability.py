@@ -107,7 +107,7 @@ def test_rejected_call_leaves_no_unfilled_weight_cache(device):
     lin = tpfp8.Linear(32, 32, fuse_wgrad_accumulation=True, device=device)
     lin.weight.main_grad = torch.zeros(32, 32, dtype=torch.bfloat16, device=device)  # wrong
     x = torch.randn(8, 32, device=device)
-    with tpfp8.fp8_autocast(), pytest.raises(RuntimeError, match="main_grad as float32"):
+    with tpfp8.fp8_autocast(), pytest.raises(ValueError, match="main_grad as float32"):
         lin(x, is_first_microbatch=True)
     lin.weight.main_grad = torch.zeros(32, 32, device=device)
     with tpfp8.fp8_autocast(), pytest.raises(ValueError, match="is_first_microbatch=True"):
@@ -143,7 +143,7 @@ def test_rejected_call_keeps_fp8_state_cache_and_main_grad(history_len):
     good_main_grad = lin.weight.main_grad
     lin.weight.main_grad = torch.zeros(16, 32)
     with tpfp8.fp8_autocast(recipe=tpfp8.DelayedScaling(amax_history_len=history_len)):
-        with pytest.raises(RuntimeError, match="main_grad"):
+        with pytest.raises(ValueError, match="main_grad"):
             lin(x, is_first_microbatch=True)
     lin.weight.main_grad = good_main_grad
     assert same(everything(lin), before)
@@ -417,3 +417,48 @@ def test_layout_attributes_are_refused_after_construction(name, value):
     with pytest.raises(AttributeError, match=f"Linear.{name} is fixed"):
         setattr(lin, name, value)
     setattr(lin, name, getattr(lin, name))  # the same value is fine
+
+
+# ---- state replaced by a debugged call or a reload -----------------------------------
+
+def test_prepared_options_follow_state_a_debugged_call_replaced():
+    """A debugged call (which prepares its own options) with another history length replaces
+    the FP8 state; the next plain call must cast with the new state, not options prepared for
+    the old one (its scale froze)."""
+    def run(debugged):
+        torch.manual_seed(0)
+        lin = tpfp8.Linear(32, 32, name="fc")
+        x = torch.randn(8, 32)
+        with tpfp8.fp8_autocast(recipe=tpfp8.DelayedScaling(amax_history_len=8)):
+            lin(x)
+        if debugged:
+            tpfp8.debug.initialize([{"layers": "fc", "features": {"log_stats": {}}}])
+        try:
+            with tpfp8.fp8_autocast(recipe=tpfp8.DelayedScaling(amax_history_len=4)):
+                lin(x)
+        finally:
+            tpfp8.debug.shutdown()
+        for _ in range(3):
+            with tpfp8.fp8_autocast(recipe=tpfp8.DelayedScaling(amax_history_len=8)):
+                lin(x * 100)
+        return fp8_state(lin)
+
+    assert same(run(True), run(False))
+
+
+def test_reload_writes_into_the_live_state_tensors():
+    """Loading a checkpoint of the same layout writes into the tensors the module already
+    updates (a captured CUDA graph keeps updating those)."""
+    lin = tpfp8.Linear(32, 32)
+    with tpfp8.fp8_autocast():
+        lin(torch.randn(8, 32))
+    saved = {k: v for k, v in lin.state_dict().items()}
+    saved["_extra_state"] = fp8_state(lin) | {"recipe": saved["_extra_state"]["recipe"]}
+    live = lin.state_dict()["_extra_state"]["forward"]["scale"]
+    with tpfp8.fp8_autocast():
+        lin(torch.randn(8, 32) * 100)
+    assert not torch.equal(live, saved["_extra_state"]["forward"]["scale"])
+    lin.load_state_dict(saved)
+    now = lin.state_dict()["_extra_state"]["forward"]["scale"]
+    assert now.data_ptr() == live.data_ptr()
+    assert torch.equal(live, saved["_extra_state"]["forward"]["scale"])

@@ -15,11 +15,20 @@
 #include <string>
 
 #include "dtype.h"
+#include "fp8_format.h"
 #include "launch.h"
 
 namespace tpfp8 {
 
+// The codes are what torch.ops.tpfp8.gemm takes (exported to Python as tpfp8._C.GemmType).
 enum class GemmType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kE4M3 = 3, kE5M2 = 4 };
+
+// FP8 GEMMs on Hopper need the K-major dimensions (K and N) in multiples of this.
+constexpr int64_t kFp8Multiple = 16;
+
+inline GemmType gemm_type(Fp8Format f) {
+  return f == Fp8Format::kE4M3 ? GemmType::kE4M3 : GemmType::kE5M2;
+}
 
 inline bool is_fp8(GemmType t) { return t == GemmType::kE4M3 || t == GemmType::kE5M2; }
 inline int element_size(GemmType t) { return t == GemmType::kFloat32 ? 4 : is_fp8(t) ? 1 : 2; }

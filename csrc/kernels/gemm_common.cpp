@@ -33,12 +33,12 @@ std::string fp8_rules(const GemmParams& p) {
   } else if (p.a.transposed || p.b.transposed) {
     err << "FP8 operands must be K-major (A [M, K], B [N, K]): Hopper FP8 GEMMs are TN only; "
            "pass the column-wise (transposed) FP8 data instead";
-  } else if (p.k % 16 != 0) {
-    err << "FP8 GEMM needs K (the contracted dimension) to be a multiple of 16, got K=" << p.k
-        << "; pad the features to a multiple of 16";
-  } else if (p.n % 16 != 0) {
-    err << "FP8 GEMM needs N (the output columns) to be a multiple of 16, got N=" << p.n
-        << "; pad the features to a multiple of 16";
+  } else if (p.k % kFp8Multiple != 0) {
+    err << "FP8 GEMM needs K (the contracted dimension) to be a multiple of " << kFp8Multiple
+        << ", got K=" << p.k << "; pad the features to a multiple of " << kFp8Multiple;
+  } else if (p.n % kFp8Multiple != 0) {
+    err << "FP8 GEMM needs N (the output columns) to be a multiple of " << kFp8Multiple
+        << ", got N=" << p.n << "; pad the features to a multiple of " << kFp8Multiple;
   } else if (!p.a.scale_inv || !p.b.scale_inv) {
     err << "FP8 operands need their scale_inv";
   } else if (p.bias && p.bias_type != (p.d_type == GemmType::kFloat16 ? GemmType::kFloat16

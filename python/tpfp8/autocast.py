@@ -166,13 +166,26 @@ class ScalingMeta:
                 keep = min(length, history.shape[1])
                 resized[:, :keep] = history[:, :keep]
                 history = resized
+            # Shared with this object when nothing changes them: one of the two is dropped.
             scale, scale_inv = self.scale.to(device), self.scale_inv.to(device)
-            if fp8_max != self.fp8_max:
-                scale = scale * torch.tensor([new / old for new, old in zip(fp8_max, self.fp8_max)],
-                                             device=device)
+            if fp8_max != self.fp8_max:  # one format per state: one ratio, no host copy
+                (ratio,) = {new / old for new, old in zip(fp8_max, self.fp8_max)}
+                scale = scale * ratio
                 scale_inv = None  # 1 / scale, as every update computes it
         return ScalingMeta(formats, recipe, device, scale=scale, scale_inv=scale_inv,
                            history=history)
+
+    def take(self, other: "ScalingMeta") -> None:
+        """Becomes `other` (a loaded checkpoint's state of the same layout) in place: the
+        tensors captured by a CUDA graph or prepared options stay the ones updated."""
+        self.load(other.state())
+        self._recipe = other._recipe
+        self.native.margin = other.native.margin
+        self.native.use_history_max = other.native.use_history_max
+
+    def same_layout(self, other: "ScalingMeta") -> bool:
+        return (self.history.shape == other.history.shape and self.fp8_max == other.fp8_max
+                and self.scale.device == other.scale.device)
 
     def _make_native(self, recipe, amax_group) -> None:
         """The same state for C++, which runs every update: views of these tensors."""

@@ -3,17 +3,30 @@ import enum
 
 import torch
 
+from . import _C
+
 
 class Fp8Format(enum.IntEnum):
-    """An FP8 encoding; the integer value is what the native ops take."""
+    """An FP8 encoding; the integer value is what the native ops take (defined in C++,
+    ``csrc/kernels/fp8_format.h``)."""
 
-    E4M3 = 0
-    E5M2 = 1
+    E4M3 = int(_C.Fp8Format.E4M3)
+    E5M2 = int(_C.Fp8Format.E5M2)
 
     @property
     def max(self) -> float:
         """Largest finite magnitude of the format."""
-        return 448.0 if self is Fp8Format.E4M3 else 57344.0
+        return _MAX[self]
+
+    @property
+    def native(self) -> "_C.Fp8Format":
+        """The C++ enum value, for the native option structs."""
+        return _C.Fp8Format(int(self))
+
+    @property
+    def gemm_type(self) -> int:
+        """The operand type code of torch.ops.tpfp8.gemm for FP8 data of this format."""
+        return int(_C.GemmType.E4M3 if self is Fp8Format.E4M3 else _C.GemmType.E5M2)
 
     def clipped(self, scaled: torch.Tensor) -> torch.Tensor:
         """Where a cast of `scaled` (fp32 values already multiplied by the scale) saturated:
@@ -35,3 +48,6 @@ class Fp8Format(enum.IntEnum):
         if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
             return cls(value)
         raise ValueError(f"unknown FP8 format {value!r}: expected 'e4m3' or 'e5m2'")
+
+
+_MAX = {f: _C.fp8_max(f.native) for f in Fp8Format}

@@ -13,10 +13,8 @@ from . import _C
 from . import autocast as _autocast
 from . import debug as _debug
 from . import parallel as _parallel
-from .formats import Fp8Format
 from .recipe import CurrentScaling, DelayedScaling
 
-_C_FORMAT = {Fp8Format.E4M3: _C.Fp8Format.E4M3, Fp8Format.E5M2: _C.Fp8Format.E5M2}
 _INPUT, _WEIGHT = 0, 1  # columns of the forward scaling state
 _PARALLEL = {None: _C.ParallelMode.NONE, "column": _C.ParallelMode.COLUMN,
              "row": _C.ParallelMode.ROW}
@@ -32,7 +30,7 @@ class Linear(nn.Module):
 
     Args:
         in_features, out_features, bias, device, dtype: as for ``torch.nn.Linear``. FP8 needs
-            both feature counts to be multiples of 16.
+            both feature counts (per rank) to be multiples of ``tpfp8._C.FP8_MULTIPLE`` (16).
         save_original_input: keep the high-precision input for backward and re-quantize it
             there (not with delayed scaling), instead of the 1-byte column-wise FP8 copy.
         fuse_wgrad_accumulation: write the weight gradient into ``weight.main_grad`` (fp32,
@@ -160,10 +158,9 @@ class Linear(nn.Module):
         """The forward and backward delayed-scaling state for `recipe`: the module's own, or
         new objects made from it (a first FP8 step, or another history length or format). Only
         a call that succeeds keeps new ones (`_commit`)."""
-        fwd_fmt, grad_fmt = recipe.formats
         if self._fwd_meta is None:
-            return (_autocast.ScalingMeta([fwd_fmt, fwd_fmt], recipe, device),
-                    _autocast.ScalingMeta([grad_fmt], recipe, device))
+            return _new_metas(recipe, device)
+        fwd_fmt, grad_fmt = recipe.formats
         return (self._fwd_meta.adopted(recipe, [fwd_fmt, fwd_fmt], device),
                 self._bwd_meta.adopted(recipe, [grad_fmt], device))
 
@@ -227,7 +224,7 @@ class Linear(nn.Module):
         fwd_fmt, grad_fmt = recipe.formats
         specs = [_C.QuantizerSpec() for _ in range(3)]
         for spec, fmt in zip(specs, (fwd_fmt, fwd_fmt, grad_fmt)):
-            spec.format = _C_FORMAT[fmt]
+            spec.format = fmt.native
             spec.scaling = (_C.Scaling.DELAYED if isinstance(recipe, DelayedScaling)
                             else _C.Scaling.CURRENT)
         if isinstance(recipe, CurrentScaling):
@@ -254,20 +251,23 @@ class Linear(nn.Module):
     def set_extra_state(self, state) -> None:
         """Loads the FP8 state as it was saved (its recipe, its history length); a forward
         with another ``amax_history_len`` then resizes the histories, keeping the newest
-        entries."""
+        entries. State of the same layout is loaded into the module's own tensors (those a
+        captured CUDA graph updates)."""
         if not state:
             return
         recipe = state["recipe"]
         if isinstance(recipe, dict):  # (older checkpoints hold the DelayedScaling itself)
             recipe = DelayedScaling(**recipe)
-        fwd_fmt, grad_fmt = recipe.formats
-        device = self.weight.device
-        fwd = _autocast.ScalingMeta([fwd_fmt, fwd_fmt], recipe, device)
-        bwd = _autocast.ScalingMeta([grad_fmt], recipe, device)
-        fwd.load(state["forward"])
-        bwd.load(state["backward"])
-        self._fwd_meta, self._bwd_meta = fwd, bwd
-        self._options_cache = (None,)  # its quantizers point at the old state
+        loaded = _new_metas(recipe, self.weight.device)
+        for meta, direction in zip(loaded, ("forward", "backward")):
+            meta.load(state[direction])
+        mine = (self._fwd_meta, self._bwd_meta)
+        if mine[0] is not None and all(a.same_layout(b) for a, b in zip(mine, loaded)):
+            for meta, new in zip(mine, loaded):
+                meta.take(new)
+        else:
+            self._fwd_meta, self._bwd_meta = loaded
+        self._options_cache = (None,)  # the recipe in its key may have changed
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # A plain nn.Linear checkpoint has no _extra_state: accept it.
@@ -276,32 +276,18 @@ class Linear(nn.Module):
 
     # ---- forward ------------------------------------------------------------------------
 
-    def _check(self, x: torch.Tensor, weight: torch.Tensor) -> None:
+    @staticmethod
+    def _check_type(x) -> None:
+        # The values are checked once, in C++ (tpfp8._C.check_inputs): ValueError.
         if not isinstance(x, torch.Tensor):
-            raise ValueError(f"Linear expects a tensor, got {type(x).__name__}")
-        k = weight.shape[1]
-        if x.dim() < 1 or x.shape[-1] != k:
-            per_rank = " per rank" if self.parallel_mode == "row" else ""
-            raise ValueError(f"Linear expects input [..., in_features={k}{per_rank}], got "
-                             f"shape {tuple(x.shape)}")
-        if self.parallel_mode == "row" and self.sequence_parallel:
-            _parallel.check_divisible(x.shape[0], self.tp_group, "sequence length (dim 0)",
-                                      "pad the sequence")
-        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"Linear input must be float32, bfloat16 or float16, got {x.dtype}")
-        if x.device != weight.device:
-            raise ValueError(f"Linear input is on {x.device} but the module on "
-                             f"{weight.device}; move one of them")
+            raise TypeError(f"Linear expects a tensor, got {type(x).__name__}")
 
     def _weight_cache_buffers(self, is_first_microbatch):
         """(mode, buffers): new buffers (kept only if the call succeeds) on a first call."""
         if is_first_microbatch is None:
             return _C.WeightCache.NONE, None
-        if not is_first_microbatch and self._weight_cache is None:
-            raise ValueError("is_first_microbatch=False needs an earlier call with "
-                             "is_first_microbatch=True to cache the FP8 weight")
         cache = self._weight_cache
-        if cache is None:
+        if cache is None and is_first_microbatch:  # (reusing none: refused by the C++ check)
             n, k = self.weight.shape
             u8 = {"dtype": torch.uint8, "device": self.weight.device}
             with torch.inference_mode(False):  # state outlives an inference_mode call
@@ -319,10 +305,10 @@ class Linear(nn.Module):
         state, weight cache and ``weight.main_grad`` are only changed by calls that succeed.
         """
         param = self.weight
-        self._check(x, param)
-        if x.is_meta:
-            return self._meta_forward(x)
+        self._check_type(x)
         frame = _autocast.current()
+        if x.is_meta:
+            return self._meta_forward(x, frame, is_first_microbatch)
         x, weight, bias = self._compute_dtype(x, param, in_fp8=frame is not None)
         bias_out = None
         if self.return_bias:
@@ -336,16 +322,20 @@ class Linear(nn.Module):
             _autocast.record_scales(frame, self, self._fwd_meta.scale if replay is None else replay)
         return (y, bias_out) if self.return_bias else y
 
-    def _meta_forward(self, x):
+    def _meta_forward(self, x, frame, is_first_microbatch):
         """On the meta device (deferred initialisation, shape tracing): the output's shape and
-        dtype, as ``nn.Linear`` gives there, with sequence parallelism's change of dim 0."""
+        dtype, as ``nn.Linear`` gives there, with sequence parallelism's change of dim 0,
+        after the checks a real call makes; no state is kept."""
+        call = self._build_options(frame, x.device, self.weight, is_first_microbatch)
+        _C.check_inputs(x, self.weight, self.bias, call.options)
         tp = _parallel.group_size(self.tp_group) if self.sequence_parallel else 1
         if self.sequence_parallel and self.parallel_mode == "column":
             x = x.repeat(tp, *([1] * (x.dim() - 1)))
         elif self.sequence_parallel:
             x = x[:x.shape[0] // tp]
         bias = None if self.return_bias else self.bias
-        y = nn.functional.linear(x, self.weight.to(x.dtype), bias)
+        y = nn.functional.linear(x, self.weight.to(x.dtype),
+                                 None if bias is None else bias.to(x.dtype))
         return (y, self.bias) if self.return_bias else y
 
     def _config_key(self, frame, device, weight, is_first_microbatch):
@@ -368,7 +358,7 @@ class Linear(nn.Module):
         if debug is not None:
             call.options.debug = debug
         elif replay is None:
-            call.key_of = (frame, device, is_first_microbatch)
+            call.cache_args = (frame, device, is_first_microbatch)
         return call
 
     def _commit(self, call: "_Call", weight) -> None:
@@ -376,14 +366,20 @@ class Linear(nn.Module):
         options for the next call."""
         if call.main_grad is not None:
             weight.main_grad = call.main_grad
+        stale = False  # whether prepared options point at state this call replaced
         if call.metas is not None:
             if call.metas != (self._fwd_meta, self._bwd_meta):
                 self._fwd_meta, self._bwd_meta = call.metas
+                stale = True
             self._fwd_meta.amax_group = self._bwd_meta.amax_group = call.amax_group
-        if call.weight_cache is not None:
+        if call.weight_cache is not None and call.weight_cache is not self._weight_cache:
             self._weight_cache = call.weight_cache
-        if call.key_of is not None:  # (after main_grad is set: the key names it)
-            key = self._config_key(call.key_of[0], call.key_of[1], weight, call.key_of[2])
+            stale = True
+        if stale:
+            self._options_cache = (None,)
+        if call.cache_args is not None:  # (after main_grad is set: the key names it)
+            key = self._config_key(call.cache_args[0], call.cache_args[1], weight,
+                                   call.cache_args[2])
             # The ids' objects are kept alive, so the ids stay theirs.
             self._options_cache = (key, call.options, (weight, getattr(weight, "main_grad", None)),
                                    _Call(call.options))
@@ -405,34 +401,21 @@ class Linear(nn.Module):
         """(x, weight, bias) in the dtype the GEMMs run in: torch.autocast's if enabled (the
         FP8 path casts the fp32 master weight itself), else the input's."""
         bias = self.bias
-        if torch.is_autocast_enabled(x.device.type):
+        if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
             x = x.to(dtype)
             weight = weight if in_fp8 else weight.to(dtype)
             bias = bias.to(dtype) if bias is not None else None
-        elif not in_fp8 and weight.dtype != x.dtype:
-            raise ValueError(f"Linear input is {x.dtype} but the weight is {weight.dtype}; "
-                             f"convert one of them or use torch.autocast")
         return x, weight, bias
 
     def _fp8_options(self, call, frame, device, is_first_microbatch, replay=None) -> None:
-        """Quantizers, recipe checks and the weight cache; raises before any state changes."""
+        """Quantizers and the weight cache, for `_commit` to keep once the call succeeded."""
         recipe = frame["recipe"]
-        if self.save_original_input and isinstance(recipe, DelayedScaling):
-            raise ValueError("save_original_input=True cannot be used with delayed scaling "
-                             "(the scale moves between forward and backward); use "
-                             "tpfp8.CurrentScaling() or save_original_input=False")
-        n, k = self.weight.shape
-        if n % 16 or k % 16:
-            raise ValueError(f"FP8 Linear needs in_features and out_features (per rank) to "
-                             f"be multiples of 16, got {k} and {n}; pad the layer or "
-                             f"run it outside fp8_autocast")
         call.amax_group = _parallel.amax_group_for(self.tp_group, self.sequence_parallel,
                                                    frame["amax_group"])
         mode, call.weight_cache = self._weight_cache_buffers(is_first_microbatch)
         if isinstance(recipe, DelayedScaling):
-            with torch.inference_mode(False):  # state outlives an inference_mode call
-                call.metas = self._delayed_metas(recipe, device)
+            call.metas = self._delayed_metas(recipe, device)
         opts = call.options
         opts.fp8 = True
         opts.input, opts.weight, opts.grad = self._quantizers(recipe, call.metas, replay)
@@ -458,6 +441,13 @@ class Linear(nn.Module):
             _autocast.register_forward(self._fwd_meta)
 
 
+def _new_metas(recipe: DelayedScaling, device):
+    """Fresh (forward, backward) delayed-scaling state: scales 1, histories zero."""
+    fwd_fmt, grad_fmt = recipe.formats
+    return (_autocast.ScalingMeta([fwd_fmt, fwd_fmt], recipe, device),
+            _autocast.ScalingMeta([grad_fmt], recipe, device))
+
+
 # Set in __init__ and fixed after: they decide the parameters' shapes and split.
 _FIXED_AFTER_INIT = frozenset(
     ("in_features", "out_features", "parallel_mode", "tp_group", "sequence_parallel"))
@@ -472,7 +462,7 @@ class _Call:
     amax_group: Optional[object] = None
     weight_cache: Optional[tuple] = None
     main_grad: Optional[torch.Tensor] = None  # made for this call (the weight had none)
-    key_of: Optional[tuple] = None  # (frame, device, is_first_microbatch) if kept for reuse
+    cache_args: Optional[tuple] = None  # (frame, device, is_first_microbatch): keep for reuse
 
 
 def swap_linear(model: nn.Module,

@@ -9,6 +9,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from . import _C
 from .formats import Fp8Format
 
 _ops = torch.ops.tpfp8
@@ -142,7 +143,8 @@ def delayed_scaling_update_many(histories, scales, scale_invs, fp8_max, margin: 
                                      [float(v) for v in fp8_max], int(margin), use_history_max)
 
 
-_GEMM_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_GEMM_TYPES = {torch.float32: int(_C.GemmType.FLOAT32), torch.bfloat16: int(_C.GemmType.BFLOAT16),
+               torch.float16: int(_C.GemmType.FLOAT16)}
 _FP8_DTYPES = {getattr(torch, name): fmt for name, fmt in
                (("float8_e4m3fn", Fp8Format.E4M3), ("float8_e5m2", Fp8Format.E5M2))
                if hasattr(torch, name)}
@@ -152,7 +154,7 @@ def _gemm_type(t: torch.Tensor, fp8_format) -> int:
     if fp8_format is None and t.dtype in _FP8_DTYPES:
         fp8_format = _FP8_DTYPES[t.dtype]
     if fp8_format is not None:
-        return 3 + int(Fp8Format.parse(fp8_format))
+        return Fp8Format.parse(fp8_format).gemm_type
     if t.dtype == torch.uint8:
         raise ValueError("uint8 GEMM operand: say which FP8 format it holds "
                          "(a_format= / b_format= 'e4m3' or 'e5m2')")
