@@ -117,8 +117,8 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, const OptTensor
     TORCH_CHECK_VALUE(o.main_grad.defined() && o.main_grad.scalar_type() == at::kFloat &&
                           o.main_grad.sizes() == weight.sizes() &&
                           o.main_grad.device() == weight.device(),
-                      "fuse_wgrad_accumulation needs weight.main_grad as float32 ",
-                      weight.sizes(), " on the weight's device ", weight.device());
+                      "fuse_wgrad_accumulation needs weight.main_grad as float32 ", weight.sizes(),
+                      " on the weight's device ", weight.device());
   }
   if (row && o.sequence_parallel) {
     const int64_t tp = o.tp_group->getSize();
