@@ -25,6 +25,13 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "fp8_max", [](Fp8Format f) { return fp8_max(f); }, py::arg("format"),
       "Largest finite magnitude of an FP8 format");
+  m.def(
+      "fp8_traits",
+      [](Fp8Format f) {
+        const Fp8Traits t = fp8_traits(f);
+        return std::make_tuple(t.mantissa_bits, t.exponent_bias, int{t.max_code}, t.max_value);
+      },
+      py::arg("format"), "(mantissa bits, exponent bias, code of max, max) of an FP8 format");
   py::enum_<GemmType>(m, "GemmType", "Operand and output type codes of torch.ops.tpfp8.gemm")
       .value("FLOAT32", GemmType::kFloat32)
       .value("BFLOAT16", GemmType::kBFloat16)

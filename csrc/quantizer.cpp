@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
 
+#include <iterator>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -49,14 +50,16 @@ Fp8Tensor quantize(const at::Tensor& x, const QuantizerSpec& q, bool rowwise, bo
 namespace {
 
 // The updates each running backward pass (autograd graph task) queued: each pass updates its
-// own modules when it ends, whatever other threads' passes do meanwhile.
+// own modules when it ends, whatever other threads' passes do meanwhile. The pass's final
+// callback owns its list; the map only points at it, so a pass that fails (the engine then
+// drops its callbacks) leaves nothing behind.
 struct TaskUpdates {
   std::vector<std::shared_ptr<DelayedUpdate>> queue;
   std::unordered_set<const DelayedUpdate*> queued;  // each state once per pass
 };
 struct PendingUpdates {
   std::mutex mutex;
-  std::map<int, TaskUpdates> by_task;
+  std::map<int, std::weak_ptr<TaskUpdates>> by_task;
 };
 PendingUpdates& pending() {
   static PendingUpdates* p = new PendingUpdates();  // used until process exit
@@ -98,14 +101,12 @@ void run_updates(const std::vector<std::shared_ptr<DelayedUpdate>>& group) {
                               first.use_history_max);
 }
 
-void run_pending_updates(int task) {
+void run_pending_updates(const std::shared_ptr<TaskUpdates>& updates, int task) {
   std::vector<std::shared_ptr<DelayedUpdate>> queue;
   {
     const std::lock_guard<std::mutex> lock(pending().mutex);
-    auto it = pending().by_task.find(task);
-    if (it == pending().by_task.end()) return;
-    queue.swap(it->second.queue);
-    pending().by_task.erase(it);
+    pending().by_task.erase(task);
+    queue.swap(updates->queue);
   }
   update_delayed(queue);
 }
@@ -115,22 +116,43 @@ void run_pending_updates(int task) {
 void update_delayed(const std::vector<std::shared_ptr<DelayedUpdate>>& updates) {
   std::map<UpdateKey, std::vector<std::shared_ptr<DelayedUpdate>>> groups;
   for (const auto& u : updates) groups[key_of(*u)].push_back(u);
-  for (const auto& [key, group] : groups) run_updates(group);
+  for (const auto& [key, group] : groups) {
+    if (group.front()->amax_group) {
+      run_updates(group);
+      continue;
+    }
+    // Two threads' passes through one layer both update it: one at a time (the CPU
+    // reference rolls the history on the host). Not under an amax group: holding a lock across
+    // a collective could deadlock against another rank's order.
+    static std::mutex mutex;
+    const std::lock_guard<std::mutex> lock(mutex);
+    run_updates(group);
+  }
 }
 
 void update_after_backward(const std::shared_ptr<DelayedUpdate>& update) {
   const int task = torch::autograd::get_current_graph_task_id();
   if (task < 0) return;  // not inside a backward pass
+  std::shared_ptr<TaskUpdates> updates;
   {
     const std::lock_guard<std::mutex> lock(pending().mutex);
-    auto [it, first] = pending().by_task.try_emplace(task);
-    if (!it->second.queued.insert(update.get()).second) return;
-    it->second.queue.push_back(update);
+    auto& by_task = pending().by_task;
+    updates = by_task[task].lock();
+    const bool first = !updates;
+    if (first) {
+      for (auto it = by_task.begin(); it != by_task.end();) {  // passes that failed
+        it = it->second.expired() ? by_task.erase(it) : std::next(it);
+      }
+      updates = std::make_shared<TaskUpdates>();
+      by_task[task] = updates;
+    }
+    if (!updates->queued.insert(update.get()).second) return;
+    updates->queue.push_back(update);
     if (!first) return;
   }
-  // The callback runs when this graph task's backward is done (the engine's final callbacks).
+  // Runs when this graph task's backward is done (the engine's final callbacks).
   torch::autograd::Engine::get_default_engine().queue_callback(
-      [task] { run_pending_updates(task); });
+      [updates, task] { run_pending_updates(updates, task); });
 }
 
 }  // namespace tpfp8

@@ -116,6 +116,20 @@ TEST(DelayedScaling, BadStepsLeaveNoTrace) {
   }
 }
 
+// -0.0 is not an amax (abs never makes it; a loaded checkpoint might): its bits would win the
+// unsigned max, so it is refused like NaN.
+TEST(DelayedScaling, NegativeZeroIsNotAnAmax) {
+  State st = random_state(3, 1, 4);
+  st.history = {-0.0f, 2.0f, -0.0f};
+  auto p = st.params(st.history.data(), st.scale.data(), st.scale_inv.data(), st.fp8_max.data(), 0,
+                     true);
+  delayed_scaling_update_cpu(p);
+  EXPECT_EQ(st.scale[0], 1.0f);  // the step was dropped
+  st.history = {1.0f, 2.0f, -0.0f};
+  delayed_scaling_update_cpu(p);
+  EXPECT_EQ(st.scale[0], 448.0f / 2.0f);  // the old -0.0 is ignored
+}
+
 TEST(DelayedScaling, MostRecentUsesRowZeroOnly) {
   State st = random_state(4, 2, 2);
   st.history = {1.0f, 2.0f, 100.0f, 100.0f, 100.0f, 100.0f, 100.0f, 100.0f};
@@ -205,13 +219,14 @@ TEST(DelayedScalingBatch, CudaMatchesCpuBytes) {
     std::vector<std::unique_ptr<testing::DeviceBuffer<float>>> d_rows;
     for (const auto& r : rows) d_rows.push_back(std::make_unique<testing::DeviceBuffer<float>>(r));
     testing::DeviceBuffer<float> d_scale(scale), d_scale_inv(scale_inv);
-    DelayedScalingBatch b = batch_of(rows, scale, scale_inv, st, true);
+    const bool use_max = len != 33;  // most_recent once
+    DelayedScalingBatch b = batch_of(rows, scale, scale_inv, st, use_max);
     for (int64_t i = 0; i < st.n; ++i) {
       b.history[i] = d_rows[i]->get(), b.scale[i] = d_scale.get() + i;
       b.scale_inv[i] = d_scale_inv.get() + i;
     }
     TPFP8_CUDA_OK(delayed_scaling_update_batch_cuda(b, nullptr));
-    delayed_scaling_update_batch_cpu(batch_of(rows, scale, scale_inv, st, true));
+    delayed_scaling_update_batch_cpu(batch_of(rows, scale, scale_inv, st, use_max));
     for (int64_t i = 0; i < st.n; ++i) EXPECT_TRUE(same_bytes(d_rows[i]->to_host(), rows[i])) << i;
     EXPECT_TRUE(same_bytes(d_scale.to_host(), scale));
     EXPECT_TRUE(same_bytes(d_scale_inv.to_host(), scale_inv));

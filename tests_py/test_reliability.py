@@ -2,7 +2,10 @@
 rejected call, double backward, two threads, inference_mode state, a resumed checkpoint with
 other settings, the meta device, debug statistics, and attributes changed after a step.
 Numerics tests run on every device there is (the `device` fixture: CPU, and CUDA on a GPU)."""
+import gc
+import math
 import threading
+import weakref
 
 import pytest
 import torch
@@ -173,6 +176,13 @@ def test_double_backward_in_high_precision_matches_nn_linear(shape):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
+def test_double_backward_with_fused_wgrad_raises_clearly():
+    lin = tpfp8.Linear(32, 16, fuse_wgrad_accumulation=True)
+    x = torch.randn(8, 32, requires_grad=True)
+    with pytest.raises(RuntimeError, match="without fuse_wgrad_accumulation"):
+        torch.autograd.grad(lin(x).pow(2).sum(), x, create_graph=True)
+
+
 def test_double_backward_in_fp8_raises_clearly():
     lin = tpfp8.Linear(32, 16)
     x = torch.randn(8, 32, requires_grad=True)
@@ -222,6 +232,26 @@ def test_two_threads_each_update_their_own_layers(device):
         t.join()
     for i in range(2):
         assert same(together[i], alone[i]), f"thread {i}"
+
+
+def test_a_failed_backward_leaves_nothing_queued():
+    """A backward pass that raises drops its end-of-pass callback: its queued updates must
+    not keep the layer's state alive (a retry loop would grow memory)."""
+    lin = tpfp8.Linear(32, 32)
+    x = torch.randn(8, 32, requires_grad=True)
+
+    def fail(grad):
+        raise RuntimeError("hook failure")
+
+    x.register_hook(fail)
+    with tpfp8.fp8_autocast():
+        y = lin(x)
+    with pytest.raises(RuntimeError, match="hook failure"):
+        y.sum().backward()
+    state = weakref.ref(lin.state_dict()["_extra_state"]["backward"]["scale"])
+    del lin, y
+    gc.collect()
+    assert state() is None
 
 
 # ---- 5. state made under inference_mode ---------------------------------------------
@@ -371,16 +401,38 @@ def test_delayed_scaling_counts_the_values_clipped():
     assert record["overflow_pct"] == 100.0 * 4 / 256
 
 
-def test_clip_thresholds_follow_the_encoder():
-    """Fp8Format.clipped agrees with the cast: a value is clipped exactly when the unbounded
-    round-to-nearest-even would exceed max, checked on the codes next to the threshold."""
-    for fmt, below, tie in ((tpfp8.Fp8Format.E4M3, 448.0, 464.0),
-                            (tpfp8.Fp8Format.E5M2, 57344.0, 61440.0)):
-        values = torch.tensor([below, tie, torch.nextafter(torch.tensor(tie),
-                                                           torch.tensor(1e9)).item()])
-        clipped = fmt.clipped(values).tolist()
-        assert clipped[0] is False and clipped[2] is True
-        assert clipped[1] is (fmt is tpfp8.Fp8Format.E5M2)  # ties to even: 448 even, 57344 odd
+def unbounded_rne(v: float, mantissa_bits: int) -> float:
+    """`v` > 0 rounded to nearest even on a grid of `mantissa_bits` without an upper bound
+    (float64 arithmetic, independent of the library)."""
+    step = 2.0 ** (math.floor(math.log2(v)) - mantissa_bits)
+    q = v / step
+    down = math.floor(q)
+    up = down + 1
+    pick = up if q - down > 0.5 or (q - down == 0.5 and down % 2) else down
+    return pick * step
+
+
+@pytest.mark.parametrize("fmt,mantissa_bits", [(tpfp8.Fp8Format.E4M3, 3),
+                                               (tpfp8.Fp8Format.E5M2, 2)])
+def test_clipped_is_what_rounding_would_put_above_max(fmt, mantissa_bits):
+    """Fp8Format.clipped agrees with an independent unbounded rounding around the threshold,
+    and (E5M2) with torch's own float8 cast, which gives inf exactly there."""
+    values = []
+    for centre in (fmt.max, fmt.max * (1 + 2.0 ** -(mantissa_bits + 1))):
+        c = torch.tensor(centre, dtype=torch.float32)
+        below, above = c.clone(), c.clone()
+        for _ in range(3):
+            below = torch.nextafter(below, torch.tensor(0.0))
+            above = torch.nextafter(above, torch.tensor(1e30))
+            values += [below.item(), above.item()]
+        values.append(centre)
+    x = torch.tensor(values, dtype=torch.float32)
+    want = [unbounded_rne(v, mantissa_bits) > fmt.max for v in x.double().tolist()]
+    assert fmt.clipped(x).tolist() == want
+    assert fmt.clipped(-x).tolist() == want
+    if fmt is tpfp8.Fp8Format.E5M2:
+        assert fmt.clipped(x).tolist() == torch.isinf(x.to(torch.float8_e5m2).float()).tolist()
+    assert not fmt.clipped(torch.tensor([float("nan")])).item()
 
 
 # ---- 10. attributes changed after a step take effect or are refused -----------------

@@ -54,8 +54,9 @@ struct DelayedScalingBatch {
 cudaError_t delayed_scaling_update_batch_cuda(const DelayedScalingBatch& b, cudaStream_t stream);
 void delayed_scaling_update_batch_cpu(const DelayedScalingBatch& b);
 
-// Whether an amax may enter the history and the scale: finite and not negative.
-TPFP8_HD bool usable_amax(float amax) { return amax >= 0.0f && amax <= kFloatMax; }
+// Whether an amax may enter the history and the scale: finite and not negative -- by its bits,
+// so -0.0 (whose bits would win the unsigned max) is refused too.
+TPFP8_HD bool usable_amax(float amax) { return float_bits(amax) <= float_bits(kFloatMax); }
 
 // An amax as bits whose unsigned max is the float max; unusable amaxes count as 0.
 TPFP8_HD uint32_t amax_bits(float amax) { return usable_amax(amax) ? float_bits(amax) : 0u; }

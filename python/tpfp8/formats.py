@@ -1,5 +1,6 @@
 """FP8 formats: E4M3 (max 448, activations and weights) and E5M2 (max 57344, gradients)."""
 import enum
+import math
 
 import torch
 
@@ -31,12 +32,13 @@ class Fp8Format(enum.IntEnum):
     def clipped(self, scaled: torch.Tensor) -> torch.Tensor:
         """Where a cast of `scaled` (fp32 values already multiplied by the scale) saturated:
         values that round to nearest even to a magnitude above ``max``, not those within
-        rounding of it. Ties go to the even neighbour: down to 448 (mantissa 110) in E4M3, up
-        past 57344 (mantissa 11) in E5M2. NaN is not clipped."""
+        rounding of it (E4M3: above 464; E5M2: 61440 and above). NaN is not clipped."""
+        mantissa_bits, _, max_code, max_value = _C.fp8_traits(self.native)
+        step = 2.0 ** (math.floor(math.log2(max_value)) - mantissa_bits)  # of the top binade
+        threshold = max_value + step / 2
         magnitude = scaled.abs()
-        if self is Fp8Format.E4M3:
-            return magnitude > 464.0  # 448 + half its step of 32
-        return magnitude >= 61440.0  # 57344 + half its step of 8192
+        # A tie goes to the even neighbour: down to max when max's code is even.
+        return magnitude >= threshold if max_code & 1 else magnitude > threshold
 
     @classmethod
     def parse(cls, value) -> "Fp8Format":
