@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: device selection with a clear skip reason when no GPU is there."""
+"""Shared pytest fixtures: the `device` fixture (every test that takes it runs on the CPU and,
+with a clear skip reason when there is none, on the GPU) and the GPU skip marker."""
 import os
 
 import pytest
@@ -23,3 +24,16 @@ def package_root() -> str:
 
 requires_gpu = pytest.mark.skipif(gpu_skip_reason() is not None,
                                   reason=str(gpu_skip_reason()))
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=requires_gpu)])
+def device(request) -> str:
+    """The device a test runs on: "cpu" (the reference kernels), then "cuda"."""
+    return request.param
+
+
+def fp8_tight(device: str) -> float:
+    """Bound for FP8 results against an exact emulation of the same casts: on the CPU only
+    the summation order differs; cuBLASLt's FP8 GEMMs accumulate with ~14 mantissa bits
+    between fp32 promotions (tests_py/test_gemm.py), so ~1e-4 on the GPU."""
+    return 1e-5 if device == "cpu" else 1e-3

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import tpfp8
-from conftest import requires_gpu
+from conftest import fp8_tight, requires_gpu
 from fp8_oracle import current_scale, fake_quant
 
 RECIPES = {"delayed": tpfp8.DelayedScaling, "current": tpfp8.CurrentScaling}
@@ -87,26 +87,28 @@ def emulate(x, w, b, dy, sx, sw, sdy, fwd, grad):
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])
 @pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_fp8_matches_float64_emulation(recipe_name, fmt, bias):
-    lin, _ = make(bias=bias, seed=3)
+def test_fp8_matches_float64_emulation(device, recipe_name, fmt, bias):
+    lin = make(bias=bias, seed=3)[0].to(device)
     recipe = RECIPES[recipe_name](fp8_format=fmt)
     fwd, grad = "e4m3", ("e5m2" if fmt == "hybrid" else "e4m3")
+    w = lin.weight.detach().cpu()
+    b = lin.bias.detach().cpu() if bias else None
     for step in range(3):  # delayed scaling: scales from earlier steps, not 1
         x, dy = torch.randn(2, 9, 32), torch.randn(2, 9, 48) * 1e-3
         if recipe_name == "delayed":  # the scales the step will use (1 before the first)
             sx, sw = (float(v) for v in lin._fwd_meta.scale) if lin._fwd_meta else (1.0, 1.0)
             sdy = float(lin._bwd_meta.scale[0]) if lin._bwd_meta else 1.0
         else:
-            sx, sw, sdy = current_scale(x, fwd), current_scale(lin.weight, fwd), current_scale(
-                dy, grad)
-        got = run(lin, x, dy, tpfp8.fp8_autocast(recipe=recipe))
-        want = emulate(x, lin.weight, lin.bias, dy, sx, sw, sdy, fwd, grad)
-        exact = x.double() @ lin.weight.detach().double().T
+            sx, sw, sdy = current_scale(x, fwd), current_scale(w, fwd), current_scale(dy, grad)
+        got = [g if g is None else g.cpu()
+               for g in run(lin, x.to(device), dy.to(device), tpfp8.fp8_autocast(recipe=recipe))]
+        want = emulate(x, w, b, dy, sx, sw, sdy, fwd, grad)
+        exact = x.double() @ w.double().T
         for g, wnt in zip(got, want):
             if wnt is not None:
-                assert rel(g, wnt) <= 1e-5
+                assert rel(g, wnt) <= fp8_tight(device)
         if recipe_name == "current" or step > 0:  # delayed: scale 1 until the first update
-            assert rel(got[0] - (lin.bias if bias else 0), exact) <= 0.1  # gross errors
+            assert rel(got[0] - (b if bias else 0), exact) <= 0.1  # gross errors
 
 
 def test_fp8_bf16_activations_within_output_rounding():
@@ -347,8 +349,8 @@ def check_no_tokens(device, recipe):
 
 @pytest.mark.parametrize("recipe", [None, tpfp8.DelayedScaling(), tpfp8.CurrentScaling()],
                          ids=["high precision", "delayed", "current"])
-def test_no_tokens(recipe):
-    check_no_tokens("cpu", recipe)
+def test_no_tokens(device, recipe):
+    check_no_tokens(device, recipe)
 
 
 CHECKPOINT_VARIANTS = ["plain", "nested", "fp8_autocast inside", "backward twice",
@@ -404,8 +406,8 @@ def check_checkpoint_matches_plain_steps(recipe, variant, device="cpu"):
 @pytest.mark.parametrize("recipe", [None, tpfp8.DelayedScaling(amax_history_len=4),
                                     tpfp8.CurrentScaling()],
                          ids=["high precision", "delayed", "current"])
-def test_checkpoint_matches_plain_steps(recipe, variant):
-    check_checkpoint_matches_plain_steps(recipe, variant)
+def test_checkpoint_matches_plain_steps(device, recipe, variant):
+    check_checkpoint_matches_plain_steps(recipe, variant, device)
 
 
 def test_checkpoint_refuses_reentrant_and_context_fn():
@@ -507,40 +509,15 @@ def train(recipe, steps=300, seed=0):
 
 @pytest.mark.parametrize("recipe", [tpfp8.DelayedScaling(amax_history_len=16),
                                     tpfp8.CurrentScaling()], ids=["delayed", "current"])
-def test_training_parity_with_bf16(recipe):
-    bf16_final, first = train(None)
-    fp8_final, _ = train(recipe)
+def test_training_parity_with_bf16(device, recipe):
+    with torch.device(device):
+        bf16_final, first = train(None)
+        fp8_final, _ = train(recipe)
     assert bf16_final < 0.5 * first  # it learned
     assert abs(fp8_final - bf16_final) <= 0.03 * bf16_final
 
 
-# ---- GPU -------------------------------------------------------------------------------
-# cuBLASLt's FP8 GEMMs accumulate with ~14 mantissa bits between fp32 promotions (see
-# tests_py/test_gemm.py and bench/RESULTS.md), so on the GPU the emulation bound is 1e-3.
-
-
-
-@requires_gpu
-@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
-@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
-def test_gpu_fp8_matches_float64_emulation(recipe_name, fmt):
-    lin, _ = make(seed=13)
-    lin = lin.cuda()
-    recipe = RECIPES[recipe_name](fp8_format=fmt)
-    fwd, grad = "e4m3", ("e5m2" if fmt == "hybrid" else "e4m3")
-    for step in range(3):
-        x, dy = torch.randn(4, 32, 32), torch.randn(4, 32, 48) * 1e-3
-        if recipe_name == "delayed":
-            sx, sw = (float(v) for v in lin._fwd_meta.scale) if lin._fwd_meta else (1.0, 1.0)
-            sdy = float(lin._bwd_meta.scale[0]) if lin._bwd_meta else 1.0
-        else:
-            sx, sw, sdy = current_scale(x, fwd), current_scale(lin.weight.cpu(), fwd), \
-                current_scale(dy, grad)
-        got = run(lin, x.cuda(), dy.cuda(), tpfp8.fp8_autocast(recipe=recipe))
-        want = emulate(x, lin.weight.cpu(), lin.bias.cpu(), dy, sx, sw, sdy, fwd, grad)
-        for g, w in zip(got, want):
-            assert rel(g.cpu(), w) <= 1e-3
-
+# ---- GPU only --------------------------------------------------------------------------
 
 def _step(lin, x, dy, recipe):
     with tpfp8.fp8_autocast(recipe=recipe):
@@ -564,21 +541,6 @@ def test_gpu_forward_backward_never_syncs(recipe):
             _step(lin, x, dy, recipe)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-
-
-@requires_gpu
-@pytest.mark.parametrize("recipe", [None, tpfp8.DelayedScaling(), tpfp8.CurrentScaling()],
-                         ids=["high precision", "delayed", "current"])
-def test_gpu_no_tokens(recipe):
-    check_no_tokens("cuda", recipe)
-
-
-@requires_gpu
-@pytest.mark.parametrize("recipe", [tpfp8.DelayedScaling(amax_history_len=4),
-                                    tpfp8.CurrentScaling()], ids=["delayed", "current"])
-def test_gpu_checkpoint_matches_plain_steps(recipe):
-    for variant in CHECKPOINT_VARIANTS:
-        check_checkpoint_matches_plain_steps(recipe, variant, "cuda")
 
 
 @requires_gpu
@@ -609,20 +571,6 @@ def test_gpu_cuda_graph_capture_with_delayed_scaling():
         assert rel(graphed.weight.grad, eager.weight.grad) <= 1e-6
         assert torch.equal(graphed._fwd_meta.scale, eager._fwd_meta.scale)
         assert torch.equal(graphed._bwd_meta.amax_history, eager._bwd_meta.amax_history)
-
-
-@requires_gpu
-@pytest.mark.parametrize("recipe", [tpfp8.DelayedScaling(amax_history_len=16),
-                                    tpfp8.CurrentScaling()], ids=["delayed", "current"])
-def test_gpu_training_parity_with_bf16(recipe):
-    torch.set_default_device("cuda")
-    try:
-        bf16_final, first = train(None)
-        fp8_final, _ = train(recipe)
-    finally:
-        torch.set_default_device("cpu")
-    assert bf16_final < 0.5 * first
-    assert abs(fp8_final - bf16_final) <= 0.03 * bf16_final
 
 
 def test_inference_under_no_grad_matches_training_forward():

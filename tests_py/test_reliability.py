@@ -12,15 +12,6 @@ import torch
 from torch import nn
 
 import tpfp8
-from conftest import gpu_skip_reason
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    gpu_skip_reason() is not None, reason=str(gpu_skip_reason())))]
-
-
-@pytest.fixture(params=DEVICES)
-def device(request):
-    return request.param
 
 
 def fp8_state(lin):
