@@ -20,6 +20,7 @@ run of every mode. Prints "TP OK <n> checks" and exits 0 when everything holds.
 import copy
 import datetime
 import itertools
+import json
 import os
 import sys
 
@@ -470,29 +471,55 @@ def check_sharded_records_identical(group):
     assert (w["scale_inv"] > w["scale_inv_min"]) == several, "per-rank scales not reported"
 
 
+def _recipe_name(recipe) -> str:
+    return "high precision" if recipe is None else type(recipe).__name__
+
+
+def _cases():
+    """Every check of a run, in the order the ranks run them: (name, function of the group)."""
+    cases = [(fn.__name__.removeprefix("check_"), fn) for fn in (
+        check_errors, check_fp8_gather, check_quantize_after_gather, check_debug_seed_case,
+        check_debug_disable_fp8_gemm, check_deepcopy, check_checkpoint, check_nan_step,
+        check_sharded_records_identical)]
+    recipes = [None, tpfp8.DelayedScaling(amax_history_len=4), tpfp8.CurrentScaling()]
+    for mode, sp, recipe, save_orig, bias in itertools.product(
+            ("column", "row"), (False, True), recipes, (False, True), (True, False)):
+        if save_orig and isinstance(recipe, tpfp8.DelayedScaling):
+            continue  # refused by design (the scale moves between forward and backward)
+        name = f"{mode} sp={sp} {_recipe_name(recipe)} save_original_input={save_orig} bias={bias}"
+        cases.append((name, lambda g, a=(mode, sp, recipe, save_orig, bias): run_config(*a, g)))
+    for mode, sp, recipe in itertools.product(("column", "row"), (False, True), recipes):
+        cases.append((f"{mode} sp={sp} {_recipe_name(recipe)} bf16", lambda g, a=(
+            mode, sp, recipe): run_config(*a, False, True, g, dtype=torch.bfloat16, steps=1)))
+    return cases
+
+
+CASE_NAMES = [name for name, _ in _cases()]
+
+
+def _record(path, results) -> None:
+    """This rank's results so far (TP_RESULTS: pytest reports each case on its own)."""
+    if path:
+        with open(f"{path}.rank{dist.get_rank()}", "w") as f:
+            json.dump(results, f)
+
+
 def main():
     backend = os.environ.get("TP_BACKEND", "gloo")
     if DEVICE == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=60))
     group = dist.new_group(list(range(dist.get_world_size())))
-    check_errors(group)
-    check_fp8_gather(group)
-    check_quantize_after_gather(group)
-    check_debug_seed_case(group)
-    check_debug_disable_fp8_gemm(group)
-    check_deepcopy(group)
-    check_checkpoint(group)
-    check_nan_step(group)
-    check_sharded_records_identical(group)
-    recipes = [None, tpfp8.DelayedScaling(amax_history_len=4), tpfp8.CurrentScaling()]
-    for mode, sp, recipe, save_orig, bias in itertools.product(
-            ("column", "row"), (False, True), recipes, (False, True), (True, False)):
-        if save_orig and isinstance(recipe, tpfp8.DelayedScaling):
-            continue  # refused by design (the scale moves between forward and backward)
-        run_config(mode, sp, recipe, save_orig, bias, group)
-    for mode, sp, recipe in itertools.product(("column", "row"), (False, True), recipes):
-        run_config(mode, sp, recipe, False, True, group, dtype=torch.bfloat16, steps=1)
+    path, results = os.environ.get("TP_RESULTS"), {}
+    for name, case in _cases():
+        try:
+            case(group)
+        except Exception as e:  # recorded, then fatal: the ranks' collectives are out of step
+            results[name] = f"failed on rank {dist.get_rank()}: {type(e).__name__}: {e}"
+            _record(path, results)
+            raise
+        results[name] = "passed"
+        _record(path, results)
     dist.barrier()
     if dist.get_rank() == 0:
         print(f"TP OK {checks} checks on {dist.get_world_size()} ranks ({backend}, {DEVICE})")
