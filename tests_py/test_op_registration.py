@@ -1,0 +1,83 @@
+"""The native ops as torch.compile sees them: every op passes torch.library.opcheck (schema,
+fake kernel, autograd registration, AOT dispatch), and a function built from them compiles
+whole (fullgraph, no graph break) to the same bytes as eager."""
+import pytest
+import torch
+from torch.library import opcheck
+
+import tpfp8
+from tpfp8 import ops
+
+ops_ns = torch.ops.tpfp8
+
+
+def samples(device):
+    """(op, arguments) for every op, on `device`: valid inputs, caller-made outputs."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(32, 64, generator=g) * 3).bfloat16().to(device)
+
+    def f32(*values):
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    def u8(*shape):
+        return torch.empty(*shape, dtype=torch.uint8, device=device)
+
+    codes = torch.randint(0, 126, (32, 64), generator=g, dtype=torch.uint8).to(device)
+    amax = f32(float(x.float().abs().max()))
+    history = torch.rand(8, 3, generator=g).to(device)
+    fp8_max = f32(448.0, 57344.0, 448.0)
+    a = torch.randint(0, 126, (16, 64), generator=g, dtype=torch.uint8).to(device)
+    b = torch.randint(0, 126, (32, 64), generator=g, dtype=torch.uint8).to(device)
+    e4m3, bf16 = int(tpfp8._C.GemmType.E4M3), int(tpfp8._C.GemmType.BFLOAT16)
+    return {
+        "quantize": (x, f32(2.0), u8(32, 64), f32(0.0), f32(0.0), 0),
+        "cast_transpose": (x, f32(2.0), u8(32, 64), u8(64, 32), f32(0.0), f32(0.0), 1),
+        "cast_transpose_current": (x, amax, 0.0, u8(32, 64), u8(64, 32), f32(0.0), 0),
+        "transpose_fp8": (codes, u8(64, 32)),
+        "dequantize": (codes, f32(0.5), 0, torch.empty(32, 64, device=device)),
+        "amax": (x, f32(0.0)),
+        "delayed_scaling_update": (history, f32(1, 1, 1), f32(1, 1, 1), fp8_max, 0, True),
+        "delayed_scaling_update_many": (
+            [history.t().contiguous()], [f32(1, 1, 1)], [f32(1, 1, 1)], [448.0, 57344.0, 448.0],
+            1, False),
+        "gemm": (a, b, torch.empty(16, 32, dtype=torch.bfloat16, device=device), f32(0.5),
+                 f32(0.25), e4m3, e4m3, torch.randn(32, device=device).bfloat16(), False, True,
+                 False, False),
+        "gemm high precision": (x[:16], x, torch.empty(16, 32, dtype=torch.bfloat16,
+                                                      device=device), None, None, bf16, bf16,
+                                None, False, False, False, False),
+    }
+
+
+OP_CASES = list(samples("cpu"))
+
+
+def test_every_op_has_a_fake_kernel_and_a_case():
+    registered = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names()
+                  if name.startswith("tpfp8::")}
+    assert registered == set(tpfp8._fake._OPS) == {case.split()[0] for case in OP_CASES}
+
+
+@pytest.mark.parametrize("case", OP_CASES)
+def test_opcheck(device, case):
+    op = getattr(ops_ns, case.split()[0]).default
+    opcheck(op, samples(device)[case])
+
+
+def fp8_matmul(x, w):
+    """x · wᵀ through tpfp8's ops: current-scaled E4M3 casts, then the FP8 GEMM."""
+    qx = ops.cast_transpose_current(x, ops.amax(x), "e4m3", columnwise=False)
+    qw = ops.cast_transpose_current(w, ops.amax(w), "e4m3", columnwise=False)
+    return ops.gemm(qx.rowwise, qw.rowwise, a_format="e4m3", b_format="e4m3",
+                    a_scale_inv=qx.scale_inv, b_scale_inv=qw.scale_inv,
+                    out_dtype=torch.float32)
+
+
+def test_ops_compile_whole_and_equal_eager(device):
+    torch._dynamo.reset()
+    x = torch.randn(32, 64, device=device).bfloat16()
+    w = torch.randn(48, 64, device=device).bfloat16()
+    explained = torch._dynamo.explain(fp8_matmul)(x, w)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    compiled = torch.compile(fp8_matmul, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x, w), fp8_matmul(x, w))
