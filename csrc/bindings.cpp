@@ -97,7 +97,6 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("parallel_mode", &LinearOptions::parallel_mode)
       .def_readwrite("sequence_parallel", &LinearOptions::sequence_parallel)
       .def_readwrite("tp_group", &LinearOptions::tp_group)
-      .def_readwrite("quantize_after_gather", &LinearOptions::quantize_after_gather)
       .def_readwrite("debug", &LinearOptions::debug);
   m.def(
       "all_gather_fp8",

@@ -223,9 +223,7 @@ bool saves_hp_input(const LinearOptions& o) {
   return !o.fp8 || o.save_original_input || o.debug.active;
 }
 // Debugging gathers and quantizes whole tensors: statistics and usages are of what the GEMMs see.
-bool quantizes_after_gather(const LinearOptions& o) {
-  return o.quantize_after_gather || o.debug.active;
-}
+bool quantizes_after_gather(const LinearOptions& o) { return o.debug.active; }
 
 struct LinearFunction : torch::autograd::Function<LinearFunction> {
   // grad_enabled: autograd turns grad mode off inside forward, so the caller's mode is passed

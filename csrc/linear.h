@@ -67,10 +67,9 @@ struct LinearOptions {
   ParallelMode parallel_mode = ParallelMode::kNone;
   bool sequence_parallel = false;
   ProcessGroupPtr tp_group;
-  // Column-parallel + sequence parallel: gather the high-precision input and quantize the
-  // gathered tensor (what a debug quantizer needs: its statistics and its usages must be of the
-  // tensor the GEMMs use), instead of gathering FP8 bytes.
-  bool quantize_after_gather = false;
+  // Active debugging also gathers the high-precision input and quantizes the gathered tensor
+  // (its statistics and its usages must be of the tensor the GEMMs use) instead of gathering
+  // FP8 bytes.
   DebugOptions debug;
 };
 

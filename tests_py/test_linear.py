@@ -16,6 +16,16 @@ from fp8_oracle import current_scale, fake_quant
 RECIPES = {"delayed": tpfp8.DelayedScaling, "current": tpfp8.CurrentScaling}
 
 
+def fwd_state(lin):
+    """The layer's forward delayed-scaling state (scale, scale_inv, amax_history)."""
+    return lin.fp8_state["forward"]
+
+
+def bwd_state(lin):
+    """The layer's backward (output gradient) delayed-scaling state."""
+    return lin.fp8_state["backward"]
+
+
 def rel(a, b):
     a, b = torch.as_tensor(a).detach().double(), torch.as_tensor(b).detach().double()
     return float((a - b).norm() / b.norm())
@@ -96,8 +106,8 @@ def test_fp8_matches_float64_emulation(device, recipe_name, fmt, bias):
     for step in range(3):  # delayed scaling: scales from earlier steps, not 1
         x, dy = torch.randn(2, 9, 32), torch.randn(2, 9, 48) * 1e-3
         if recipe_name == "delayed":  # the scales the step will use (1 before the first)
-            sx, sw = (float(v) for v in lin._fwd_meta.scale) if lin._fwd_meta else (1.0, 1.0)
-            sdy = float(lin._bwd_meta.scale[0]) if lin._bwd_meta else 1.0
+            sx, sw = (float(v) for v in fwd_state(lin)["scale"]) if lin.fp8_state else (1.0, 1.0)
+            sdy = float(bwd_state(lin)["scale"][0]) if lin.fp8_state else 1.0
         else:
             sx, sw, sdy = current_scale(x, fwd), current_scale(w, fwd), current_scale(dy, grad)
         got = [g if g is None else g.cpu()
@@ -132,21 +142,21 @@ def test_delayed_scaling_history_and_scale_follow_the_formula():
         amaxes.append(float(x.abs().max()))
         with tpfp8.fp8_autocast(recipe=recipe):
             lin(x)
-        hist = lin._fwd_meta.amax_history[:, 0]
+        hist = fwd_state(lin)["amax_history"][:, 0]
         window = amaxes[-4:]
         want_hist = [0.0] + list(reversed(window))[: 3]
         assert hist.tolist() == pytest.approx(want_hist + [0.0] * (4 - len(want_hist)), rel=0)
         want_scale = np.float32(448.0) / np.float32(max(window)) * np.float32(0.5)
-        assert float(lin._fwd_meta.scale[0]) == want_scale
-        assert float(lin._fwd_meta.scale_inv[0]) == np.float32(1.0) / want_scale
+        assert float(fwd_state(lin)["scale"][0]) == want_scale
+        assert float(fwd_state(lin)["scale_inv"][0]) == np.float32(1.0) / want_scale
 
 
 def test_backward_scale_updates_at_end_of_backward():
     lin, _ = make(seed=6)
     x, dy = torch.randn(16, 32), torch.randn(16, 48) * 3
     run(lin, x, dy, tpfp8.fp8_autocast(recipe=tpfp8.DelayedScaling()))
-    assert float(lin._bwd_meta.scale[0]) == np.float32(57344.0) / np.float32(dy.abs().max())
-    assert float(lin._bwd_meta.amax_history[0, 0]) == 0.0
+    assert float(bwd_state(lin)["scale"][0]) == np.float32(57344.0) / np.float32(dy.abs().max())
+    assert float(bwd_state(lin)["amax_history"][0, 0]) == 0.0
 
 
 def test_save_original_input_is_bit_identical_with_current_scaling():
@@ -208,7 +218,7 @@ def test_forward_options_are_reused_until_their_inputs_change():
         with tpfp8.fp8_autocast(recipe=tpfp8.CurrentScaling()):
             y = lin(x, **kw)
         y.backward(dy)
-        return lin._options_cache[1]
+        return lin._options_cache[1]  # the one private read: the cache this test is about
 
     first = step()
     assert step() is first
@@ -228,7 +238,7 @@ def test_module_cast_keeps_fp8_state_and_drops_weight_cache():
         run(lin, x, dy, tpfp8.fp8_autocast(), is_first_microbatch=True)
     before = state_of(lin)
     lin.to(torch.bfloat16)
-    assert lin._fwd_meta.scale.dtype == lin._bwd_meta.amax_history.dtype == torch.float32
+    assert fwd_state(lin)["scale"].dtype == bwd_state(lin)["amax_history"].dtype == torch.float32
     for a, b in zip(before, state_of(lin)):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="is_first_microbatch=True"):
@@ -251,7 +261,8 @@ def test_deepcopy_and_pickle_after_fp8_steps():
     buf.seek(0)
     before = state_of(lin)
     for twin in (copy.deepcopy(lin), torch.load(buf, weights_only=False)):
-        assert twin._fwd_meta.history.data_ptr() != lin._fwd_meta.history.data_ptr()
+        own, other = fwd_state(twin)["amax_history"], fwd_state(lin)["amax_history"]
+        assert own.data_ptr() != other.data_ptr()
         for a, b in zip(before, state_of(twin)):
             assert torch.equal(a, b)
         got = run(twin, x, dy, tpfp8.fp8_autocast())
@@ -277,13 +288,13 @@ def test_state_dict_loads_with_weights_only():
     buf.seek(0)
     fresh, _ = make(seed=20)
     fresh.load_state_dict(torch.load(buf, weights_only=True))
-    assert fresh._fwd_meta.recipe == recipe
+    assert fresh.fp8_state["recipe"] == recipe
     for a, b in zip(state_of(lin), state_of(fresh)):
         assert torch.equal(a, b)
     old_style = lin.state_dict()  # checkpoints before the state held plain values
     old_style["_extra_state"]["recipe"] = recipe
     fresh.load_state_dict(old_style)
-    assert fresh._fwd_meta.recipe == recipe
+    assert fresh.fp8_state["recipe"] == recipe
 
 
 def test_module_move_keeps_weight_cache_when_nothing_changed_and_moves_main_grad():
@@ -297,8 +308,10 @@ def test_module_move_keeps_weight_cache_when_nothing_changed_and_moves_main_grad
     with tpfp8.fp8_autocast():
         lin(x, is_first_microbatch=False)
     lin.to("meta")  # another device (the only other one a CPU has): new Parameter objects
-    assert lin.weight.main_grad.device.type == lin._fwd_meta.scale.device.type == "meta"
-    assert lin.weight.main_grad.dtype == torch.float32 and lin._weight_cache is None
+    assert lin.weight.main_grad.device.type == fwd_state(lin)["scale"].device.type == "meta"
+    assert lin.weight.main_grad.dtype == torch.float32
+    with tpfp8.fp8_autocast(), pytest.raises(ValueError, match="is_first_microbatch=True"):
+        lin(x.to("meta"), is_first_microbatch=False)  # the cache went with the old parameters
     plain, _ = make(seed=18)
     plain.to("meta")  # no main_grad: none appears
     assert getattr(plain.weight, "main_grad", None) is None
@@ -343,8 +356,9 @@ def check_no_tokens(device, recipe):
                 y = fused(x.clone().requires_grad_(True), is_first_microbatch=first)
             y.sum().backward()
             assert torch.equal(fused.weight.main_grad, torch.full_like(fused.weight, value))
-    for meta in (lin._fwd_meta, lin._bwd_meta):
-        assert meta is None or bool(torch.isfinite(meta.scale).all())
+    state = lin.fp8_state
+    assert state is None or all(bool(torch.isfinite(state[d]["scale"]).all())
+                                for d in ("forward", "backward"))
 
 
 @pytest.mark.parametrize("recipe", [None, tpfp8.DelayedScaling(), tpfp8.CurrentScaling()],
@@ -432,8 +446,9 @@ def test_swap_linear_and_state_dict():
 # ---- errors leave the state untouched --------------------------------------------------
 
 def state_of(lin):
-    meta = [lin._fwd_meta, lin._bwd_meta]
-    return [t.clone() for m in meta if m for t in (m.scale, m.amax_history)]
+    state = lin.fp8_state
+    return [] if state is None else [state[d][k].clone() for d in ("forward", "backward")
+                                     for k in ("scale", "amax_history")]
 
 
 @pytest.mark.parametrize("call,message", [
@@ -569,8 +584,8 @@ def test_gpu_cuda_graph_capture_with_delayed_scaling():
         torch.cuda.synchronize()
         assert rel(static_y, want) <= 1e-6
         assert rel(graphed.weight.grad, eager.weight.grad) <= 1e-6
-        assert torch.equal(graphed._fwd_meta.scale, eager._fwd_meta.scale)
-        assert torch.equal(graphed._bwd_meta.amax_history, eager._bwd_meta.amax_history)
+        assert torch.equal(fwd_state(graphed)["scale"], fwd_state(eager)["scale"])
+        assert torch.equal(bwd_state(graphed)["amax_history"], bwd_state(eager)["amax_history"])
 
 
 def test_inference_under_no_grad_matches_training_forward():
@@ -629,14 +644,15 @@ def test_one_update_launch_for_all_modules():
     with torch.profiler.profile() as bwd:
         hidden[-1].sum().backward()
     assert update_calls(bwd) == 1  # backward: 5 gradients in one launch, once backward is done
-    grads = [layer._bwd_meta for layer in layers]
-    assert all(float(m.amax_history[1, 0]) > 0 and float(m.amax_history[0, 0]) == 0 for m in grads)
-    assert all(float(m.scale[0]) == np.float32(57344.0) / m.amax_history[1, 0].numpy()
+    grads = [bwd_state(layer) for layer in layers]
+    assert all(float(m["amax_history"][1, 0]) > 0 and float(m["amax_history"][0, 0]) == 0
+               for m in grads)
+    assert all(float(m["scale"][0]) == np.float32(57344.0) / m["amax_history"][1, 0].numpy()
                for m in grads)
     for layer, inp in zip(layers, hidden):
         want = np.float32(448.0) / np.float32(inp.detach().abs().max())
-        assert float(layer._fwd_meta.scale[0]) == want
-        assert float(layer._fwd_meta.amax_history[1, 0]) == np.float32(inp.detach().abs().max())
+        assert float(fwd_state(layer)["scale"][0]) == want
+        assert float(fwd_state(layer)["amax_history"][1, 0]) == np.float32(inp.detach().abs().max())
 
 
 def test_one_module_alternates_recipes():
@@ -648,13 +664,13 @@ def test_one_module_alternates_recipes():
     delayed, current = tpfp8.DelayedScaling(amax_history_len=4), tpfp8.CurrentScaling()
     with tpfp8.fp8_autocast(recipe=delayed):
         lin(x).sum().backward()
-    scale_after_first = lin._fwd_meta.scale.clone()
+    scale_after_first = fwd_state(lin)["scale"].clone()
     with tpfp8.fp8_autocast(recipe=current):
         y_current = lin(x)
     y_current.sum().backward()
-    assert torch.equal(lin._fwd_meta.scale, scale_after_first)  # current leaves it alone
+    assert torch.equal(fwd_state(lin)["scale"], scale_after_first)  # current leaves it alone
     want = np.float32(448.0) / np.float32(x.abs().max())
     with tpfp8.fp8_autocast(recipe=tpfp8.DelayedScaling(amax_history_len=4)):
         y_delayed = lin(x)
-    assert float(lin._fwd_meta.scale[0]) == want
+    assert float(fwd_state(lin)["scale"][0]) == want
     assert torch.equal(y_delayed, y_current)  # the same scale as current scaling's now

@@ -43,6 +43,16 @@ S, B, K, N = 8, 2, 64, 128  # sequence, batch, in_features, out_features (full s
 checks = 0
 
 
+def fwd_state(lin):
+    """The layer's forward delayed-scaling state (scale, scale_inv, amax_history)."""
+    return lin.fp8_state["forward"]
+
+
+def bwd_state(lin):
+    """The layer's backward (output gradient) delayed-scaling state."""
+    return lin.fp8_state["backward"]
+
+
 def rel(a, b):
     a = torch.as_tensor(a).detach().double().cpu()
     b = torch.as_tensor(b).detach().double().cpu()
@@ -82,9 +92,9 @@ def emulate(mode, recipe, layer, x, dy, w_full, b_full, high=()):
     x_parts = x2.chunk(tp, dim=1) if mode == "row" else [x2] * tp
     dy_parts = dy2.chunk(tp, dim=1) if mode == "column" else [dy2] * tp
     if isinstance(recipe, tpfp8.DelayedScaling):  # scales 1 until the first update
-        fwd_scales = layer._fwd_meta.scale.tolist() if layer._fwd_meta else [1.0, 1.0]
+        fwd_scales = fwd_state(layer)["scale"].tolist() if layer.fp8_state else [1.0, 1.0]
         sx, sw = (gathered_scalars(v) for v in fwd_scales)
-        sdy = gathered_scalars(layer._bwd_meta.scale[0] if layer._bwd_meta else 1.0)
+        sdy = gathered_scalars(bwd_state(layer)["scale"][0] if layer.fp8_state else 1.0)
     else:
         sx = gathered_scalars(cur_scale(x_parts[r], fwd))
         sw = gathered_scalars(cur_scale(w_parts[r], fwd))
@@ -248,8 +258,9 @@ def check_errors(group):
 
 
 def check_quantize_after_gather(group):
-    """The debug quantizer's path (gather high precision, quantize the gathered tensor) gives
-    the fast path's results bit for bit under current scaling, save_original_input or not."""
+    """The debug quantizer's path (gather high precision, quantize the gathered tensor; taken
+    by any layer a debug rule matches, here one with no feature) gives the fast path's results
+    bit for bit under current scaling, save_original_input or not."""
     global checks
     for save_orig in (False, True):
         results = []
@@ -257,14 +268,16 @@ def check_quantize_after_gather(group):
             torch.manual_seed(3)
             layer = tpfp8.Linear(K, N, parallel_mode="column", tp_group=group,
                                  sequence_parallel=True, save_original_input=save_orig,
-                                 device=DEVICE)
-            layer._quantize_after_gather = after_gather
+                                 device=DEVICE, name="gathered")
+            if after_gather:
+                tpfp8.debug.initialize([{"layers": "gathered", "features": {}}])
             torch.manual_seed(4)
             full_x = torch.randn(S, B, K, device=DEVICE)
             x = P.split_sequence(full_x, group).requires_grad_(True)
             with tpfp8.fp8_autocast(recipe=tpfp8.CurrentScaling()):
                 y = layer(x)
             y.backward(torch.ones_like(y))
+            tpfp8.debug.shutdown()
             results.append((y.detach(), x.grad, layer.weight.grad))
         for a, b in zip(*results):
             checks += 1
@@ -284,14 +297,15 @@ def check_deepcopy(group):
         step_tp(layer, mode, sp, group, full_x, full_dy, recipe)
         twin = copy.deepcopy(layer)
         assert twin.tp_group is group
-        assert twin._fwd_meta.history.data_ptr() != layer._fwd_meta.history.data_ptr()
+        own, other = fwd_state(twin)["amax_history"], fwd_state(layer)["amax_history"]
+        assert own.data_ptr() != other.data_ptr()
         for a, b in zip(step_tp(layer, mode, sp, group, full_x, full_dy, recipe),
                         step_tp(twin, mode, sp, group, full_x, full_dy, recipe)):
             checks += 1
             assert torch.equal(a, b), f"deepcopy of a {mode} layer (sp={sp}) steps differently"
-        assert twin._fwd_meta.amax_group is layer._fwd_meta.amax_group  # set by the forward
+        assert twin.fp8_state["amax_group"] is layer.fp8_state["amax_group"]  # set by the forward
         checks += 1
-        assert torch.equal(layer._fwd_meta.history, twin._fwd_meta.history)
+        assert torch.equal(fwd_state(layer)["amax_history"], fwd_state(twin)["amax_history"])
 
 
 def check_checkpoint(group):
@@ -314,7 +328,8 @@ def check_checkpoint(group):
                 checks += 1
                 assert torch.equal(a, b), f"checkpointed {mode} layer (sp={sp}) differs"
         checks += 1
-        assert torch.equal(layers[0]._fwd_meta.history, layers[1]._fwd_meta.history)
+        histories = [fwd_state(layer)["amax_history"] for layer in layers]
+        assert torch.equal(*histories)
 
 
 def step_tp(layer, mode, sp, group, full_x, full_dy, recipe, wrap=None):

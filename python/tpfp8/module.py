@@ -82,9 +82,6 @@ class Linear(nn.Module):
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.return_bias = return_bias
         self.name = name
-        # Column-parallel SP: gather the high-precision input and quantize the gathered tensor
-        # (the debug quantizer's path, shared/seed) instead of gathering FP8 bytes.
-        self._quantize_after_gather = False
         self._fwd_meta = None  # delayed scaling state, made on the first FP8 forward
         self._bwd_meta = None
         # (what the options are made of, LinearOptions, refs, a _Call of them for reuse)
@@ -240,6 +237,19 @@ class Linear(nn.Module):
         specs[2].after_backward = bwd.native  # C++ updates it when backward is done
         return specs
 
+    @property
+    def fp8_state(self) -> Optional[dict]:
+        """The delayed-scaling state, to inspect (the live tensors: read, do not write), or
+        None before the first delayed-scaling FP8 step: ``{"forward": {"scale": [2],
+        "scale_inv": [2], "amax_history": [history_len, 2]}`` (input, weight), ``"backward":
+        {... [1] ...}`` (the output gradient), ``"recipe"``: the DelayedScaling it follows,
+        ``"amax_group"``: the group its amaxes were last reduced over (or None)}. Row 0 of a
+        history is the running step's amax."""
+        if self._fwd_meta is None:
+            return None
+        return {"forward": self._fwd_meta.state(), "backward": self._bwd_meta.state(),
+                "recipe": self._fwd_meta.recipe, "amax_group": self._fwd_meta.amax_group}
+
     def get_extra_state(self):
         """FP8 state (delayed-scaling scales and amax histories) for checkpoints: tensors and
         plain values only, so ``torch.load(..., weights_only=True)`` (its default) reads it."""
@@ -343,7 +353,7 @@ class Linear(nn.Module):
         return (None if frame is None else (frame["recipe"], frame["amax_group"]), device,
                 is_first_microbatch, id(weight), weight.requires_grad,
                 id(getattr(weight, "main_grad", None)), self.save_original_input,
-                self.fuse_wgrad_accumulation, self._quantize_after_gather)
+                self.fuse_wgrad_accumulation)
 
     def _prepare(self, frame, device, weight, is_first_microbatch, replay=None):
         """The C++ call's options and the state it needs (`weight`: the parameter, not a
@@ -394,7 +404,6 @@ class Linear(nn.Module):
             opts.parallel_mode = _PARALLEL[self.parallel_mode]
             opts.sequence_parallel = self.sequence_parallel
             opts.tp_group = self.tp_group
-            opts.quantize_after_gather = self._quantize_after_gather
         return call
 
     def _compute_dtype(self, x, weight, in_fp8: bool):
