@@ -257,6 +257,23 @@ def check_errors(group):
             raise AssertionError(f"no error for a case expecting '{message}'")
 
 
+def check_double_backward_refused(group):
+    """A tensor-parallel layer refuses double backward clearly on every rank (its collectives
+    are not differentiable), before any collective of the backward runs."""
+    global checks
+    for mode in ("column", "row"):
+        layer = tpfp8.Linear(K, N, parallel_mode=mode, tp_group=group, device=DEVICE)
+        k_local = K // dist.get_world_size() if mode == "row" else K
+        x = torch.randn(S, k_local, device=DEVICE, requires_grad=True)
+        try:
+            torch.autograd.grad(layer(x).pow(2).sum(), x, create_graph=True)
+        except RuntimeError as e:
+            assert "tensor parallelism" in str(e), f"unclear error: {e}"
+            checks += 1
+        else:
+            raise AssertionError(f"{mode}: double backward was not refused")
+
+
 def check_quantize_after_gather(group):
     """The debug quantizer's path (gather high precision, quantize the gathered tensor; taken
     by any layer a debug rule matches, here one with no feature) gives the fast path's results
@@ -495,7 +512,7 @@ def _cases():
     cases = [(fn.__name__.removeprefix("check_"), fn) for fn in (
         check_errors, check_fp8_gather, check_quantize_after_gather, check_debug_seed_case,
         check_debug_disable_fp8_gemm, check_deepcopy, check_checkpoint, check_nan_step,
-        check_sharded_records_identical)]
+        check_sharded_records_identical, check_double_backward_refused)]
     recipes = [None, tpfp8.DelayedScaling(amax_history_len=4), tpfp8.CurrentScaling()]
     for mode, sp, recipe, save_orig, bias in itertools.product(
             ("column", "row"), (False, True), recipes, (False, True), (True, False)):
