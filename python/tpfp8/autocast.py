@@ -179,9 +179,7 @@ class ScalingMeta:
         """Becomes `other` (a loaded checkpoint's state of the same layout) in place: the
         tensors captured by a CUDA graph or prepared options stay the ones updated."""
         self.load(other.state())
-        self._recipe = other._recipe
-        self.native.margin = other.native.margin
-        self.native.use_history_max = other.native.use_history_max
+        self._follow(other.recipe)
 
     def same_layout(self, other: "ScalingMeta") -> bool:
         return (self.history.shape == other.history.shape and self.fp8_max == other.fp8_max
@@ -192,11 +190,15 @@ class ScalingMeta:
         self.native = _C.DelayedUpdate()
         self.native.fp8_max = self.fp8_max
         self._share_with_native()
+        self._follow(recipe)
+        self._amax_group = None
+        self.amax_group = amax_group
+
+    def _follow(self, recipe: DelayedScaling) -> None:
+        """The recipe's margin and algorithm, read by the next update."""
         self._recipe = recipe
         self.native.margin = recipe.margin
         self.native.use_history_max = recipe.amax_compute_algo == "max"
-        self._amax_group = None
-        self.amax_group = amax_group
 
     # Pickling and copy.deepcopy: the tensors travel, the C++ view of them is made anew, and
     # the amax group (every FP8 forward sets it again; a ProcessGroup does not pickle) stays.
