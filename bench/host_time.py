@@ -2,7 +2,7 @@
 work is negligible, so what is timed is what the host spends issuing it -- the cost that
 decides small and mid-size layers. Parts are timed separately: the forward alone, forward +
 backward (a training step: gradients set to None first), fp8_autocast's enter and exit, and
-the C++ call with options built once.
+the forward op called alone.
 
   python bench/host_time.py              # on the GPU
   python bench/host_time.py --profile    # plus a torch.profiler table of one FP8 step
@@ -17,7 +17,6 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tpfp8  # noqa: E402
-from tpfp8 import _C  # noqa: E402
 
 
 def per_call_us(fn, device, n=2000, rounds=5):
@@ -69,14 +68,17 @@ def cases(device, size):
         with tpfp8.fp8_autocast(recipe=delayed):
             pass
 
-    opts = _C.LinearOptions()
+    def op_call(*state, scaling=0):  # the forward op alone, no autograd
+        return torch.ops.tpfp8.linear_forward(x, ours.weight, None, *state, None, None, None,
+                                              None, scaling, 0, 1, 0.0, 0, False, 0, False, "",
+                                              [], False, False)
 
     return {
         "nn.Linear fwd": lambda: ref(x),
         "nn.Linear fwd+bwd": step(ref),
         "tpfp8 high precision fwd": lambda: ours(x),
         "tpfp8 high precision fwd+bwd": step(ours),
-        "_C.linear high precision fwd": lambda: _C.linear(x, ours.weight, None, opts),
+        "linear_forward op high precision": lambda: op_call(None, None),
         "fp8_autocast enter+exit": empty_autocast,
         "tpfp8 delayed fwd": fp8(delayed, False),
         "tpfp8 delayed fwd+bwd": fp8(delayed, True),
@@ -87,15 +89,15 @@ def cases(device, size):
 
 def primitives(device, size):
     """Host cost of the pieces a step is made of: an allocation, a torch GEMM, tpfp8's cast
-    and GEMM ops, the delayed-scaling update, and the C++ Linear call with options built."""
+    and GEMM ops, the delayed-scaling update, and the Linear's forward op alone."""
     x = torch.randn(size, size, device=device, dtype=torch.bfloat16)
     u8 = torch.empty(size, size, device=device, dtype=torch.uint8)
     one = torch.ones(1, device=device)
     ours = tpfp8.Linear(size, size, bias=False, device=device, dtype=torch.bfloat16)
     with tpfp8.fp8_autocast(recipe=tpfp8.DelayedScaling()):
         ours(x)
-        opts = ours._build_options(tpfp8.autocast.current(), x.device, ours.weight, None).options
-    meta = ours._fwd_meta
+    state = (ours.fp8_scale, ours.fp8_amax_history)
+    forward_op = torch.ops.tpfp8.linear_forward
     gemm = torch.ops.tpfp8.gemm
     return {
         "torch.empty": lambda: torch.empty(size, size, device=device),
@@ -104,8 +106,10 @@ def primitives(device, size):
             x, one, u8, u8, one, one, 0),
         "tpfp8 FP8 gemm op": lambda: gemm(u8, u8, x, one, one, 3, 3, None, False, True, False,
                                           False),
-        "_C.update_delayed (1 module)": lambda: _C.update_delayed([meta.native]),
-        "_C.linear FP8 fwd (no grad)": lambda: _C.linear(x, ours.weight, None, opts),
+        "delayed-scaling update (1 module)": lambda: tpfp8.scaling.update([ours]),
+        "linear_forward op FP8 (no grad)": lambda: forward_op(
+            x, ours.weight, None, *state, None, None, None, None, 1, 0, 1, 0.0, 0, False, 0,
+            False, "", [], False, False),
     }
 
 

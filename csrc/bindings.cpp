@@ -1,9 +1,11 @@
-// The Python module tpfp8._C: the Linear's C++ entry point and its option structs. The ops
+// The Python module tpfp8._C: codes, the checks and updates Python calls around the ops. The ops
 // themselves are registered with the dispatcher (torch.ops.tpfp8.*) by the *_ops.cpp files;
 // importing this module loads them.
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
 #include <torch/extension.h>
+
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
 #include "kernels/gemm.h"
 #include "linear.h"
@@ -51,69 +53,49 @@ PYBIND11_MODULE(_C, m) {
       .value("NONE", ParallelMode::kNone)
       .value("COLUMN", ParallelMode::kColumn)
       .value("ROW", ParallelMode::kRow);
-  py::class_<DelayedUpdate, std::shared_ptr<DelayedUpdate>>(
-      m, "DelayedUpdate", "A module's gradient scaling state, updated at the end of backward")
-      .def(py::init<>())
-      .def_readwrite("history", &DelayedUpdate::history)
-      .def_readwrite("scale", &DelayedUpdate::scale)
-      .def_readwrite("scale_inv", &DelayedUpdate::scale_inv)
-      .def_readwrite("fp8_max", &DelayedUpdate::fp8_max)
-      .def_readwrite("margin", &DelayedUpdate::margin)
-      .def_readwrite("use_history_max", &DelayedUpdate::use_history_max)
-      .def_readwrite("amax_group", &DelayedUpdate::amax_group);
-  py::class_<QuantizerSpec>(m, "QuantizerSpec", "How one tensor of a Linear is quantized")
-      .def(py::init<>())
-      .def_readwrite("scaling", &QuantizerSpec::scaling)
-      .def_readwrite("format", &QuantizerSpec::format)
-      .def_readwrite("scale", &QuantizerSpec::scale)
-      .def_readwrite("amax", &QuantizerSpec::amax)
-      .def_readwrite("epsilon", &QuantizerSpec::epsilon)
-      .def_readwrite("reduce_amax", &QuantizerSpec::reduce_amax)
-      .def_readwrite("after_backward", &QuantizerSpec::after_backward);
-  py::class_<DebugOptions>(m, "DebugOptions", "Precision-debugging choices of one Linear call")
-      .def(py::init<>())
-      .def_readwrite("active", &DebugOptions::active)
-      .def_readwrite("hp_fprop", &DebugOptions::hp_fprop)
-      .def_readwrite("hp_dgrad", &DebugOptions::hp_dgrad)
-      .def_readwrite("hp_wgrad", &DebugOptions::hp_wgrad)
-      .def_readwrite("fake_activation", &DebugOptions::fake_activation)
-      .def_readwrite("fake_weight", &DebugOptions::fake_weight)
-      .def_readwrite("fake_gradient", &DebugOptions::fake_gradient)
-      .def_readwrite("log", &DebugOptions::log);
-  py::class_<LinearOptions>(m, "LinearOptions", "Per-call settings of tpfp8._C.linear")
-      .def(py::init<>())
-      .def_readwrite("fp8", &LinearOptions::fp8)
-      .def_readwrite("input", &LinearOptions::input)
-      .def_readwrite("weight", &LinearOptions::weight)
-      .def_readwrite("grad", &LinearOptions::grad)
-      .def_readwrite("save_original_input", &LinearOptions::save_original_input)
-      .def_readwrite("fuse_wgrad_accumulation", &LinearOptions::fuse_wgrad_accumulation)
-      .def_readwrite("main_grad", &LinearOptions::main_grad)
-      .def_readwrite("main_grad_overwrite", &LinearOptions::main_grad_overwrite)
-      .def_readwrite("weight_cache", &LinearOptions::weight_cache)
-      .def_readwrite("weight_cache_rowwise", &LinearOptions::weight_cache_rowwise)
-      .def_readwrite("weight_cache_columnwise", &LinearOptions::weight_cache_columnwise)
-      .def_readwrite("weight_cache_scale_inv", &LinearOptions::weight_cache_scale_inv)
-      .def_readwrite("parallel_mode", &LinearOptions::parallel_mode)
-      .def_readwrite("sequence_parallel", &LinearOptions::sequence_parallel)
-      .def_readwrite("tp_group", &LinearOptions::tp_group)
-      .def_readwrite("debug", &LinearOptions::debug);
+  // The Linear itself is torch.ops.tpfp8.linear_forward / linear_backward (linear_ops.cpp).
+  m.def(
+      "check_linear_forward",
+      [](const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
+         const OptTensor& scale, const OptTensor& amax_history, const OptTensor& cache_rowwise,
+         const OptTensor& cache_columnwise, const OptTensor& cache_scale_inv,
+         const OptTensor& main_grad, int64_t scaling, int64_t fwd_format, int64_t grad_format,
+         double epsilon, int64_t weight_cache, bool save_original_input, int64_t parallel_mode,
+         bool sequence_parallel, const std::string& group_name, std::vector<int64_t> debug) {
+        checked_forward_call(x, weight, bias, scale, amax_history, cache_rowwise,
+                             cache_columnwise, cache_scale_inv, main_grad, scaling, fwd_format,
+                             grad_format, epsilon, weight_cache, save_original_input,
+                             parallel_mode, sequence_parallel, group_name, debug);
+      },
+      "Raises ValueError unless linear_forward can run these arguments (its fake kernel's check)");
+  m.def(
+      "update_delayed",
+      [](const std::vector<at::Tensor>& histories, const std::vector<at::Tensor>& scales,
+         const std::vector<at::Tensor>& scale_invs, const std::vector<double>& fp8_max,
+         int64_t margin, bool use_history_max, const std::string& amax_group) {
+        update_delayed(histories, scales, scale_invs, fp8_max, margin, use_history_max,
+                       amax_group.empty() ? ProcessGroupPtr()
+                                          : c10d::resolve_process_group(amax_group));
+      },
+      py::arg("histories"), py::arg("scales"), py::arg("scale_invs"), py::arg("fp8_max"),
+      py::arg("margin"), py::arg("use_history_max"), py::arg("amax_group"),
+      py::call_guard<py::gil_scoped_release>(),
+      "Delayed-scaling update of many layers' states now (amaxes all-reduced over the named "
+      "group first, if any)");
+  m.def("set_debug_logger", &set_debug_logger, py::arg("logger"),
+        "The function tpfp8.debug's reports go to: logger(handle, gemm, tensor, used, original, "
+        "scale_inv, format)");
   m.def(
       "all_gather_fp8",
-      [](const at::Tensor& local, const QuantizerSpec& spec, const ProcessGroupPtr& group) {
-        const Fp8Tensor q = all_gather_fp8(local, spec, group);
+      [](const at::Tensor& local, Fp8Format format, const std::string& group_name) {
+        QuantizerSpec spec;
+        spec.scaling = Scaling::kCurrent;
+        spec.format = format;
+        const Fp8Tensor q = all_gather_fp8(local, spec, c10d::resolve_process_group(group_name));
         return std::make_tuple(q.rowwise, q.scale_inv);
       },
-      py::arg("local"), py::arg("spec"), py::arg("group"), py::call_guard<py::gil_scoped_release>(),
-      "Sequence-parallel FP8 gather: (gathered row-wise uint8 codes, shared scale_inv)");
-  m.def("update_delayed", &update_delayed, py::arg("updates"),
-        py::call_guard<py::gil_scoped_release>(),
-        "Delayed-scaling update of many modules' states now (one launch per recipe/group)");
-  m.def("check_inputs", &check_inputs, py::arg("x"), py::arg("weight"), py::arg("bias"),
-        py::arg("options"), "Raises ValueError unless linear() can run these arguments");
-  // Without the GIL: forward may wait on a collective while a communication thread needs the
-  // GIL to free an earlier Python-owned tensor (a deadlock seen with gloo otherwise).
-  m.def("linear", &linear, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("options"),
-        py::call_guard<py::gil_scoped_release>(),
-        "y = x W^T (+ bias) with autograd; see csrc/linear.h");
+      py::arg("local"), py::arg("format"), py::arg("group_name"),
+      py::call_guard<py::gil_scoped_release>(),
+      "Sequence-parallel FP8 gather with current scaling: (gathered row-wise uint8 codes, "
+      "shared scale_inv)");
 }

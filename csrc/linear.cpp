@@ -1,18 +1,16 @@
-// The Linear autograd Function (linear.h): a short list of steps in forward and backward,
-// each a call into a named helper below.
+// The Linear's forward and backward (linear.h): a short list of steps each, every step a call
+// into a named helper below.
 #include "linear.h"
 
-#include <torch/autograd.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
+#include "checks.h"
 #include "comm.h"
 #include "kernels/gemm.h"
 #include "ops.h"
 
 namespace tpfp8 {
 namespace {
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
 
 int64_t gemm_code(const at::Tensor& t) {
   const at::ScalarType d = t.scalar_type();
@@ -72,14 +70,120 @@ QuantizerSpec with_group_amax(QuantizerSpec spec, const ProcessGroupPtr& group) 
   return spec;
 }
 
+
+// The function debug reports go to (set by tpfp8.debug); kept until process exit.
+using DebugLogger = std::function<void(int64_t, const std::string&, const std::string&,
+                                       const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                       int64_t)>;
+DebugLogger& debug_logger() {
+  static DebugLogger* logger = new DebugLogger();
+  return *logger;
+}
+
 }  // namespace
 
-// The one check of a Linear call's arguments (Python calls it too, for the meta device): each
-// failure is a ValueError that says what was given and how to fix it.
+void set_debug_logger(DebugLogger logger) { debug_logger() = std::move(logger); }
+
+DebugOptions debug_options(at::IntArrayRef packed) {
+  DebugOptions d;
+  if (packed.empty()) return d;
+  TORCH_CHECK(packed.size() == 7, "debug options are [] or 7 values, got ", packed.size());
+  d.active = true;
+  d.hp_fprop = packed[0] != 0;
+  d.hp_dgrad = packed[1] != 0;
+  d.hp_wgrad = packed[2] != 0;
+  d.fake_activation = packed[3];
+  d.fake_weight = packed[4];
+  d.fake_gradient = packed[5];
+  const int64_t handle = packed[6];
+  if (handle >= 0) {
+    d.log = [handle](const std::string& gemm, const std::string& tensor, const at::Tensor& used,
+                     const at::Tensor& original, const at::Tensor& scale_inv, int64_t format) {
+      const DebugLogger& logger = debug_logger();
+      if (logger) logger(handle, gemm, tensor, used, original, scale_inv, format);
+    };
+  }
+  return d;
+}
+
+LinearConfig linear_config(int64_t scaling, int64_t fwd_format, int64_t grad_format, double epsilon,
+                           int64_t weight_cache, bool save_original_input, int64_t parallel_mode,
+                           bool sequence_parallel, const std::string& group_name,
+                           at::IntArrayRef debug) {
+  TORCH_CHECK_VALUE(scaling >= 0 && scaling <= 2, "scaling must be 0 (none), 1 (delayed) or 2 "
+                    "(current), got ", scaling);
+  TORCH_CHECK_VALUE(weight_cache >= 0 && weight_cache <= 2, "weight_cache must be 0..2, got ",
+                    weight_cache);
+  TORCH_CHECK_VALUE(parallel_mode >= 0 && parallel_mode <= 2, "parallel_mode must be 0 (none), "
+                    "1 (column) or 2 (row), got ", parallel_mode);
+  LinearConfig c;
+  c.scaling = static_cast<Scaling>(scaling);
+  c.fwd_format = fp8_format_from(fwd_format);
+  c.grad_format = fp8_format_from(grad_format);
+  c.epsilon = epsilon;
+  c.weight_cache = static_cast<WeightCache>(weight_cache);
+  c.save_original_input = save_original_input;
+  c.parallel_mode = static_cast<ParallelMode>(parallel_mode);
+  c.sequence_parallel = sequence_parallel;
+  if (!group_name.empty()) c.tp_group = c10d::resolve_process_group(group_name);
+  c.debug = debug_options(debug);
+  return c;
+}
+
+namespace {
+
+// How the layer's tensor `role` is quantized under `c`, with `state`'s scale and amax slot.
+QuantizerSpec quantizer(const LinearConfig& c, const DelayedState& state, Role role) {
+  QuantizerSpec q;
+  q.scaling = c.scaling;
+  q.format = role == kGrad ? c.grad_format : c.fwd_format;
+  q.epsilon = c.epsilon;
+  if (c.scaling == Scaling::kDelayed) {
+    q.scale = state.scale.narrow(0, role, 1);
+    if (state.amax_history.defined()) q.amax = state.amax_history.select(0, role).narrow(0, 0, 1);
+  }
+  return q;
+}
+
+bool gathers_input(const LinearConfig& c) {
+  return c.parallel_mode == ParallelMode::kColumn && c.sequence_parallel;
+}
+bool gathers_grad(const LinearConfig& c) {
+  return c.parallel_mode == ParallelMode::kRow && c.sequence_parallel;
+}
+// Dim 0 of the output for an input's dim 0: sequence parallelism gathers it (column) or
+// scatters it (row) over the group. (Not from the rows of y and x: there may be none.)
+int64_t output_dim0(int64_t x_dim0, const LinearConfig& c) {
+  if (!c.sequence_parallel) return x_dim0;
+  const int64_t tp = c.tp_group->getSize();
+  return c.parallel_mode == ParallelMode::kColumn ? x_dim0 * tp : x_dim0 / tp;
+}
+// Whether backward keeps the high-precision input (re-quantized, used as it is, or reported).
+bool saves_hp_input(const LinearConfig& c) {
+  return !c.fp8() || c.save_original_input || c.debug.active;
+}
+// Debugging gathers and quantizes whole tensors: statistics and usages are of what the GEMMs see.
+bool quantizes_after_gather(const LinearConfig& c) { return c.debug.active; }
+// Column-parallel SP in FP8 keeps this rank's row-wise input bytes and re-gathers them.
+bool keeps_local_fp8_input(const LinearConfig& c) {
+  return gathers_input(c) && !saves_hp_input(c);
+}
+
+at::Tensor nothing(const at::Tensor& like, at::ScalarType dtype) {
+  return at::empty({0}, like.options().dtype(dtype));
+}
+
+}  // namespace
+
+// The one check of a Linear call's arguments (the fake kernels call it too): each failure is a
+// ValueError that says what was given and how to fix it.
 void check_inputs(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
-                  const LinearOptions& o) {
+                  const LinearConfig& c, const DelayedState& state, const WeightCacheBuffers& cache,
+                  const OptTensor& main_grad) {
+  TORCH_CHECK_VALUE(weight.dim() == 2, "Linear weight must be 2-D [out, in], got ",
+                    weight.sizes());
   const int64_t n = weight.size(0), k = weight.size(1);
-  const bool row = o.parallel_mode == ParallelMode::kRow;
+  const bool row = c.parallel_mode == ParallelMode::kRow;
   TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == k, "Linear expects input [..., in_features=", k,
                     row ? " per rank" : "", "], got shape ", x.sizes(),
                     "; the last dimension must be in_features");
@@ -91,37 +195,43 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, const OptTensor
   TORCH_CHECK_VALUE(!bias || bias->device() == weight.device(), "bias is on ", bias->device(),
                     " but the weight on ", weight.device());
   TORCH_CHECK_VALUE(
-      o.parallel_mode == ParallelMode::kNone ? !o.sequence_parallel : bool(o.tp_group),
+      c.parallel_mode == ParallelMode::kNone ? !c.sequence_parallel : bool(c.tp_group),
       "tensor parallelism needs tp_group, and sequence_parallel needs a parallel_mode");
-  if (o.fp8) {
+  if (c.fp8()) {
     TORCH_CHECK_VALUE(k % kFp8Multiple == 0 && n % kFp8Multiple == 0,
                       "FP8 Linear needs in_features and out_features (per rank) to be multiples "
                       "of ",
                       kFp8Multiple, ", got ", k, " and ", n,
                       " (Hopper's FP8 GEMMs need it); pad the layer or run it outside "
                       "fp8_autocast");
-    TORCH_CHECK_VALUE(!(o.save_original_input && o.input.scaling == Scaling::kDelayed),
+    TORCH_CHECK_VALUE(!(c.save_original_input && c.scaling == Scaling::kDelayed),
                       "save_original_input=True cannot be used with delayed scaling: the scale "
                       "moves between forward and backward, so re-quantizing would not reproduce "
                       "the forward's FP8 input; use tpfp8.CurrentScaling() or "
                       "save_original_input=False");
-    TORCH_CHECK_VALUE(o.weight_cache != WeightCache::kReuse || o.weight_cache_rowwise.defined(),
+    TORCH_CHECK_VALUE(c.weight_cache == WeightCache::kNone || cache.rowwise.defined(),
                       "is_first_microbatch=False needs an earlier call with "
                       "is_first_microbatch=True to cache the FP8 weight");
+    TORCH_CHECK_VALUE(c.scaling != Scaling::kDelayed ||
+                          (state.scale.defined() && state.scale.numel() == 3 &&
+                           state.scale.device() == weight.device()),
+                      "delayed scaling needs the layer's scale [3] on the weight's device");
   } else {
     TORCH_CHECK_VALUE(dtype == weight.scalar_type(), "Linear input is ", dtype,
                       " but the weight is ", weight.scalar_type(),
                       "; convert one of them or use torch.autocast (outside FP8 both must match)");
   }
-  if (o.fuse_wgrad_accumulation) {
-    TORCH_CHECK_VALUE(o.main_grad.defined() && o.main_grad.scalar_type() == at::kFloat &&
-                          o.main_grad.sizes() == weight.sizes() &&
-                          o.main_grad.device() == weight.device(),
+  if (main_grad) {
+    TORCH_CHECK_VALUE(main_grad->scalar_type() == at::kFloat &&
+                          main_grad->sizes() == weight.sizes() &&
+                          main_grad->device() == weight.device(),
                       "fuse_wgrad_accumulation needs weight.main_grad as float32 ", weight.sizes(),
-                      " on the weight's device ", weight.device());
+                      " on the weight's device ", weight.device(), ", got ",
+                      main_grad->scalar_type(), " ", main_grad->sizes(), " on ",
+                      main_grad->device());
   }
-  if (row && o.sequence_parallel) {
-    const int64_t tp = o.tp_group->getSize();
+  if (row && c.sequence_parallel) {
+    const int64_t tp = c.tp_group->getSize();
     TORCH_CHECK_VALUE(x.size(0) % tp == 0, "sequence length (dim 0)=", x.size(0),
                       " is not divisible by the tensor-parallel group size ", tp,
                       "; pad the sequence");
@@ -130,12 +240,13 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, const OptTensor
 
 namespace {
 
-Fp8Tensor weight_fp8(const at::Tensor& weight, const LinearOptions& o, bool columnwise) {
-  const Fp8Tensor cache{o.weight_cache_rowwise, o.weight_cache_columnwise, o.weight_cache_scale_inv,
-                        o.weight.format};
-  if (o.weight_cache == WeightCache::kReuse) return cache;
-  const bool fill = o.weight_cache == WeightCache::kFill;
-  return quantize(weight.contiguous(), o.weight, true, columnwise || fill, fill ? &cache : nullptr);
+Fp8Tensor weight_fp8(const at::Tensor& weight, const LinearConfig& c, const DelayedState& state,
+                     const WeightCacheBuffers& cache, bool columnwise) {
+  const Fp8Tensor cached{cache.rowwise, cache.columnwise, cache.scale_inv, c.fwd_format};
+  if (c.weight_cache == WeightCache::kReuse) return cached;
+  const bool fill = c.weight_cache == WeightCache::kFill;
+  return quantize(weight.contiguous(), quantizer(c, state, kWeight), true, columnwise || fill,
+                  fill ? &cached : nullptr);
 }
 
 // A tensor made ready for its GEMMs: its FP8 form and, where kept, the whole high-precision
@@ -189,249 +300,182 @@ std::pair<Operand, Operand> operands(const char* gemm, const Use& a, const Use& 
   return {one(a), one(b)};
 }
 
-// The part of an FP8 tensor backward keeps: its column-wise data (the row-wise copy is dropped).
-Fp8Tensor columnwise_part(const Fp8Tensor& q) {
-  return {at::Tensor(), q.columnwise, q.scale_inv, q.format};
+// 1. The input of fprop: quantized, and gathered along rows under column-parallel SP; what
+//    wgrad will need goes to `out`.
+Prepared prepare_input(const at::Tensor& x2, const LinearConfig& c, const DelayedState& state,
+                       bool need_wgrad, ForwardResult& out) {
+  const bool gather = gathers_input(c);
+  if (!c.fp8()) return {gather ? all_gather_rows(x2, *c.tp_group) : x2, {}};
+  const bool columnwise = need_wgrad && !c.save_original_input;
+  const QuantizerSpec spec = quantizer(c, state, kInput);
+  Prepared in;
+  if (gather && quantizes_after_gather(c)) {
+    // Quantize what the GEMMs see: the gathered tensor, whose amax is the global one.
+    const at::Tensor total = all_gather_rows(x2, *c.tp_group);
+    in = {total, quantize(total, spec, true, columnwise)};
+  } else if (gather) {
+    Fp8Tensor local;
+    in = {at::Tensor(), all_gather_fp8(x2, spec, c.tp_group, &local)};
+    if (need_wgrad && keeps_local_fp8_input(c)) out.x_fp8 = local.rowwise;  // re-gathered later
+  } else {
+    in = {x2, quantize(x2, spec, true, columnwise)};
+  }
+  if (columnwise && !out.x_fp8.defined()) out.x_fp8 = in.q.columnwise;
+  out.x_scale_inv = in.q.scale_inv;
+  return in;
 }
 
-// What backward needs beyond the tensors saved through save_for_backward.
-struct Saved : torch::CustomClassHolder {
-  LinearOptions o;
-  std::vector<int64_t> x_shape;
-  at::ScalarType x_dtype;
-  std::optional<at::ScalarType> bias_dtype;
-  // FP8 input for wgrad: column-wise [K, M], or (column-parallel sequence parallel) this
-  // rank's row-wise bytes [M/tp, K], re-gathered in backward. FP8 weight: column-wise.
-  Fp8Tensor qx, qw;
-};
-
-bool gathers_input(const LinearOptions& o) {
-  return o.parallel_mode == ParallelMode::kColumn && o.sequence_parallel;
+// 2. The gradient: quantized, and gathered along rows under row-parallel SP.
+Prepared prepare_grad(const at::Tensor& dy, const LinearConfig& c, const DelayedState& state,
+                      bool need_dgrad, bool need_wgrad) {
+  const bool gather = gathers_grad(c);
+  if (!c.fp8()) return {gather ? all_gather_rows(dy, *c.tp_group) : dy, {}};
+  const QuantizerSpec spec = quantizer(c, state, kGrad);
+  if (!gather || quantizes_after_gather(c)) {
+    // Whole (replicated, this rank's own, or gathered first): its local amax is the global.
+    const at::Tensor total = gather ? all_gather_rows(dy, *c.tp_group) : dy;
+    return {total, quantize(total, spec, need_dgrad, need_wgrad)};
+  }
+  Fp8Tensor q = all_gather_fp8(dy, spec, c.tp_group);
+  if (need_wgrad) {
+    q.columnwise = at::empty({q.rowwise.size(1), q.rowwise.size(0)}, q.rowwise.options());
+    transpose_fp8(q.rowwise, q.columnwise);
+  }
+  return {at::Tensor(), q};
 }
-bool gathers_grad(const LinearOptions& o) {
-  return o.parallel_mode == ParallelMode::kRow && o.sequence_parallel;
+
+// The input for wgrad: saved, re-gathered or re-quantized.
+Prepared input_for_wgrad(const at::Tensor& x_saved, const at::Tensor& x_gathered,
+                         const SavedForBackward& s, const LinearConfig& c,
+                         const DelayedState& state) {
+  if (saves_hp_input(c)) {
+    const at::Tensor hp = x_gathered.defined() ? x_gathered : x_saved;
+    if (!c.fp8()) return {hp, {}};
+    // The whole tensor is here (gathered, replicated or this rank's own): its local amax is
+    // the one forward used, so the re-quantized bytes equal forward's.
+    if (c.save_original_input) return {hp, quantize(hp, quantizer(c, state, kInput), false, true)};
+    // Debugging: forward's column-wise data, and the values for reports.
+    return {hp, {at::Tensor(), s.x_fp8, s.x_scale_inv, c.fwd_format}};
+  }
+  Fp8Tensor q{at::Tensor(), s.x_fp8, s.x_scale_inv, c.fwd_format};
+  if (!x_gathered.defined()) return {at::Tensor(), q};
+  q.columnwise = at::empty({x_gathered.size(1), x_gathered.size(0)}, x_gathered.options());
+  transpose_fp8(x_gathered, q.columnwise);
+  return {at::Tensor(), q};
 }
-// Dim 0 of the output for an input's dim 0: sequence parallelism gathers it (column) or
-// scatters it (row) over the group. (Not from the rows of y and x: there may be none.)
-int64_t output_dim0(int64_t x_dim0, const LinearOptions& o) {
-  if (!o.sequence_parallel) return x_dim0;
-  const int64_t tp = o.tp_group->getSize();
-  return o.parallel_mode == ParallelMode::kColumn ? x_dim0 * tp : x_dim0 / tp;
-}
-// Whether backward keeps the high-precision input (re-quantized, used as it is, or reported).
-bool saves_hp_input(const LinearOptions& o) {
-  return !o.fp8 || o.save_original_input || o.debug.active;
-}
-// Debugging gathers and quantizes whole tensors: statistics and usages are of what the GEMMs see.
-bool quantizes_after_gather(const LinearOptions& o) { return o.debug.active; }
-
-struct LinearFunction : torch::autograd::Function<LinearFunction> {
-  // grad_enabled: autograd turns grad mode off inside forward, so the caller's mode is passed
-  // in; without it (inference) no column-wise data is made for a backward that never comes.
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const OptTensor& bias, const LinearOptions& o, bool grad_enabled) {
-    const int64_t n = weight.size(0), k = weight.size(1);
-    const at::Tensor x2 = as_matrix(x, k);
-    auto s = c10::make_intrusive<Saved>();
-    s->o = o;
-    s->x_shape = x.sizes().vec();
-    s->x_dtype = x.scalar_type();
-    if (bias) s->bias_dtype = bias->scalar_type();
-    const bool need_wgrad = grad_enabled && (weight.requires_grad() || o.fuse_wgrad_accumulation);
-    const bool need_dgrad = grad_enabled && x.requires_grad();
-
-    // 1. The input of fprop: quantized, and gathered along rows under column-parallel SP.
-    const Prepared in = prepare_input(x2, o, need_wgrad, *s);
-    // 2. The weight: FP8 row-wise for fprop (+ column-wise for dgrad).
-    Prepared w{weight, {}};
-    if (o.fp8) {
-      w.q = weight_fp8(weight, o, need_dgrad);
-      s->qw = columnwise_part(w.q);
-    }
-    // 3. fprop. The bias is fused in the epilogue except where an FP8 GEMM writes fp32 (its
-    //    epilogue takes a 16-bit bias) and under row parallelism (it is added once, after the
-    //    reduction).
-    const DebugOptions& d = o.debug;
-    const auto [x_op, w_op] =
-        operands("fprop", {"activation", &in, false, d.fake_activation},
-                 {"weight", &w, false, d.fake_weight}, o.fp8, d.hp_fprop, d, s->x_dtype);
-    at::Tensor y = at::empty({x_op.data.size(0), n}, x.options());
-    const bool row = o.parallel_mode == ParallelMode::kRow;
-    const bool fuse_bias = bias && !row && !(x_op.scale_inv && y.scalar_type() == at::kFloat);
-    run_gemm(x_op, w_op, y, fuse_bias ? OptTensor(bias->to(y.scalar_type())) : std::nullopt, o.fp8);
-    // 4. Row parallel: sum the partial outputs over the group.
-    if (row && o.sequence_parallel) {
-      y = reduce_scatter_rows(y, *o.tp_group);
-    } else if (row) {
-      all_reduce(y, *o.tp_group, c10d::ReduceOp::SUM);
-    }
-    if (bias && !fuse_bias) y.add_(bias->to(y.scalar_type()));
-
-    ctx->saved_data["state"] = c10::IValue::make_capsule(s);
-    std::vector<int64_t> out_shape = s->x_shape;
-    out_shape.back() = n;
-    out_shape[0] = output_dim0(out_shape[0], o);
-    // High precision keeps the input itself: a double backward differentiates through it.
-    ctx->save_for_backward({!o.fp8 ? x : saves_hp_input(o) ? x2 : at::Tensor(), weight});
-    return shaped(y, out_shape);
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto s = c10::static_intrusive_pointer_cast<Saved>(ctx->saved_data["state"].toCapsule());
-    const LinearOptions& o = s->o;
-    const DebugOptions& d = o.debug;
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor& weight = saved[1];
-    const int64_t n = weight.size(0), k = weight.size(1);
-    const at::Tensor dy = as_matrix(grads[0], n);
-    const at::Tensor x_saved = saved[0].defined() ? as_matrix(saved[0], k) : saved[0];
-    // Grad mode on inside backward means create_graph=True (double backward).
-    if (at::GradMode::is_enabled()) return differentiable_backward(ctx, dy, x_saved, weight, *s);
-    const bool need_dgrad = ctx->needs_input_grad(0);
-    const bool need_wgrad = ctx->needs_input_grad(1) || o.fuse_wgrad_accumulation;
-
-    // 1. Column-parallel SP: start re-gathering the input for wgrad; it overlaps dgrad.
-    //    (Quantized after the gather, its column-wise data is whole already.)
-    WorkPtr x_work;
-    at::Tensor x_gathered;
-    const bool regather = gathers_input(o) && (saves_hp_input(o) || s->qx.rowwise.defined());
-    if (need_wgrad && regather) {
-      x_gathered =
-          all_gather_rows(saves_hp_input(o) ? x_saved : s->qx.rowwise, *o.tp_group, &x_work);
-    }
-    // 2. The gradient: quantized, and gathered along rows under row-parallel SP. Delayed
-    //    scaling updates its state once the whole backward pass is done.
-    const Prepared g = prepare_grad(dy, o, need_dgrad, need_wgrad);
-    if (o.fp8 && o.grad.after_backward) update_after_backward(o.grad.after_backward);
-    // 3. dgrad, then (column parallel) its reduction, in flight during wgrad.
-    at::Tensor dx;
-    WorkPtr dx_work;
-    if (need_dgrad) {
-      const Prepared w{weight, s->qw};
-      const auto [dy_op, w_op] =
-          operands("dgrad", {"gradient", &g, false, d.fake_gradient},
-                   {"weight", &w, true, d.fake_weight}, o.fp8, d.hp_dgrad, d, s->x_dtype);
-      dx = run_gemm(dy_op, w_op, at::empty({dy_op.data.size(0), k}, dy.options().dtype(s->x_dtype)),
-                    std::nullopt, false);
-      if (o.parallel_mode == ParallelMode::kColumn && o.sequence_parallel) {
-        dx = reduce_scatter_rows(dx, *o.tp_group, &dx_work);
-      } else if (o.parallel_mode == ParallelMode::kColumn) {
-        all_reduce(dx, *o.tp_group, c10d::ReduceOp::SUM, &dx_work);
-      }
-    }
-    // 4. wgrad, into main_grad or a fresh dW.
-    at::Tensor dw;
-    if (need_wgrad) {
-      wait(x_work);
-      const Prepared in = input_for_wgrad(x_saved, x_gathered, *s);
-      const auto [dy_op, x_op] =
-          operands("wgrad", {"gradient", &g, true, d.fake_gradient},
-                   {"activation", &in, true, d.fake_activation}, o.fp8, d.hp_wgrad, d, s->x_dtype);
-      const bool accumulate = o.fuse_wgrad_accumulation && !o.main_grad_overwrite;
-      at::Tensor out =
-          o.fuse_wgrad_accumulation ? o.main_grad : at::empty({n, k}, weight.options());
-      if (dy.size(0) > 0) {
-        run_gemm(dy_op, x_op, out, std::nullopt, false, accumulate);
-      } else if (!accumulate) {
-        out.zero_();  // no tokens: an empty sum (cuBLASLt has no GEMM with K = 0)
-      }
-      if (!o.fuse_wgrad_accumulation) dw = out;
-    }
-    wait(dx_work);
-    // 5. db: the local sum; under row-parallel SP each rank holds part of the rows of dy.
-    at::Tensor db;
-    if (s->bias_dtype && ctx->needs_input_grad(2)) {
-      db = dy.sum(0, false, at::kFloat);
-      if (gathers_grad(o)) all_reduce(db, *o.tp_group, c10d::ReduceOp::SUM);
-      db = db.to(*s->bias_dtype);
-    }
-    return {dx.defined() ? shaped(dx, s->x_shape) : dx, dw, db, at::Tensor(), at::Tensor()};
-  }
-
- private:
-  // The backward as differentiable torch ops, for gradients of gradients (a gradient penalty):
-  // high precision on one device only -- an FP8 cast has no useful derivative, and the
-  // collectives here are not differentiable -- and a clear error otherwise, never a silently
-  // detached dx.
-  static variable_list differentiable_backward(AutogradContext* ctx, const at::Tensor& dy,
-                                               const at::Tensor& x2, const at::Tensor& weight,
-                                               const Saved& s) {
-    const LinearOptions& o = s.o;
-    TORCH_CHECK(!o.fp8 && o.parallel_mode == ParallelMode::kNone && !o.fuse_wgrad_accumulation,
-                "tpfp8.Linear supports double backward (create_graph=True) only in high "
-                "precision on one device without fuse_wgrad_accumulation; this call used ",
-                o.fp8                                    ? "FP8"
-                : o.parallel_mode != ParallelMode::kNone ? "tensor parallelism"
-                                                         : "fuse_wgrad_accumulation",
-                ". Run the layer outside fp8_autocast (and unsplit) for a gradient penalty");
-    at::Tensor dx, dw, db;
-    if (ctx->needs_input_grad(0)) dx = shaped(dy.mm(weight).to(s.x_dtype), s.x_shape);
-    if (ctx->needs_input_grad(1)) dw = dy.t().mm(x2).to(weight.scalar_type());
-    if (s.bias_dtype && ctx->needs_input_grad(2)) db = dy.sum(0).to(*s.bias_dtype);
-    return {dx, dw, db, at::Tensor(), at::Tensor()};
-  }
-
-  static Prepared prepare_input(const at::Tensor& x2, const LinearOptions& o, bool need_wgrad,
-                                Saved& s) {
-    const bool gather = gathers_input(o);
-    const bool columnwise = need_wgrad && !o.save_original_input;
-    if (!o.fp8) return {gather ? all_gather_rows(x2, *o.tp_group) : x2, {}};
-    if (gather && quantizes_after_gather(o)) {
-      // Quantize what the GEMMs see: the gathered tensor, whose amax is the global one.
-      const at::Tensor total = all_gather_rows(x2, *o.tp_group);
-      const Fp8Tensor q = quantize(total, o.input, true, columnwise);
-      s.qx = columnwise_part(q);
-      return {total, q};
-    }
-    if (gather) {
-      Fp8Tensor local;
-      const Fp8Tensor q = all_gather_fp8(x2, o.input, o.tp_group, &local);
-      s.qx = {local.rowwise, at::Tensor(), q.scale_inv, q.format};  // re-gathered in backward
-      return {at::Tensor(), q};
-    }
-    const Fp8Tensor q = quantize(x2, o.input, true, columnwise);
-    s.qx = columnwise_part(q);
-    return {x2, q};
-  }
-
-  static Prepared prepare_grad(const at::Tensor& dy, const LinearOptions& o, bool need_dgrad,
-                               bool need_wgrad) {
-    const bool gather = gathers_grad(o);
-    if (!o.fp8) return {gather ? all_gather_rows(dy, *o.tp_group) : dy, {}};
-    if (!gather || quantizes_after_gather(o)) {
-      // Whole (replicated, this rank's own, or gathered first): its local amax is the global.
-      const at::Tensor total = gather ? all_gather_rows(dy, *o.tp_group) : dy;
-      return {total, quantize(total, o.grad, need_dgrad, need_wgrad)};
-    }
-    Fp8Tensor q = all_gather_fp8(dy, o.grad, o.tp_group);
-    if (need_wgrad) {
-      q.columnwise = at::empty({q.rowwise.size(1), q.rowwise.size(0)}, q.rowwise.options());
-      transpose_fp8(q.rowwise, q.columnwise);
-    }
-    return {at::Tensor(), q};
-  }
-
-  // The input for wgrad: saved, re-gathered or re-quantized.
-  static Prepared input_for_wgrad(const at::Tensor& x_saved, const at::Tensor& x_gathered,
-                                  const Saved& s) {
-    const LinearOptions& o = s.o;
-    if (saves_hp_input(o)) {
-      const at::Tensor hp = x_gathered.defined() ? x_gathered : x_saved;
-      if (!o.fp8) return {hp, {}};
-      // The whole tensor is here (gathered, replicated or this rank's own): its local amax is
-      // the one forward used, so the re-quantized bytes equal forward's.
-      if (o.save_original_input) return {hp, quantize(hp, o.input, false, true)};
-      return {hp, s.qx};  // debugging: forward's column-wise data, and the values for reports
-    }
-    if (!x_gathered.defined()) return {at::Tensor(), s.qx};
-    Fp8Tensor q = s.qx;
-    q.columnwise = at::empty({x_gathered.size(1), x_gathered.size(0)}, x_gathered.options());
-    transpose_fp8(x_gathered, q.columnwise);
-    return {at::Tensor(), q};
-  }
-};
 
 }  // namespace
+
+ForwardResult linear_forward(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
+                             const LinearConfig& c, const DelayedState& state,
+                             const WeightCacheBuffers& cache, bool need_dgrad, bool need_wgrad) {
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const at::Tensor x2 = as_matrix(x, k);
+  ForwardResult out;
+  // 1. The input of fprop: quantized, and gathered along rows under column-parallel SP.
+  const Prepared in = prepare_input(x2, c, state, need_wgrad, out);
+  // 2. The weight: FP8 row-wise for fprop (+ column-wise for dgrad), or the cache's.
+  Prepared w{weight, {}};
+  if (c.fp8()) {
+    w.q = weight_fp8(weight, c, state, cache, need_dgrad);
+    if (c.weight_cache == WeightCache::kNone) {
+      if (need_dgrad) out.w_fp8 = w.q.columnwise;
+      out.w_scale_inv = w.q.scale_inv;
+    }
+  }
+  // 3. fprop. The bias is fused in the epilogue except where an FP8 GEMM writes fp32 (its
+  //    epilogue takes a 16-bit bias) and under row parallelism (it is added once, after the
+  //    reduction).
+  const DebugOptions& d = c.debug;
+  const auto [x_op, w_op] =
+      operands("fprop", {"activation", &in, false, d.fake_activation},
+               {"weight", &w, false, d.fake_weight}, c.fp8(), d.hp_fprop, d, x.scalar_type());
+  at::Tensor y = at::empty({x_op.data.size(0), n}, x.options());
+  const bool row = c.parallel_mode == ParallelMode::kRow;
+  const bool fuse_bias = bias && !row && !(x_op.scale_inv && y.scalar_type() == at::kFloat);
+  run_gemm(x_op, w_op, y, fuse_bias ? OptTensor(bias->to(y.scalar_type())) : std::nullopt, c.fp8());
+  // 4. Row parallel: sum the partial outputs over the group.
+  if (row && c.sequence_parallel) {
+    y = reduce_scatter_rows(y, *c.tp_group);
+  } else if (row) {
+    all_reduce(y, *c.tp_group, c10d::ReduceOp::SUM);
+  }
+  if (bias && !fuse_bias) y.add_(bias->to(y.scalar_type()));
+
+  std::vector<int64_t> out_shape = x.sizes().vec();
+  out_shape.back() = n;
+  out_shape[0] = output_dim0(out_shape[0], c);
+  out.y = shaped(y, out_shape);
+  // Empty placeholders where backward needs nothing (an op returns tensors, not None).
+  for (at::Tensor* t : {&out.x_fp8, &out.w_fp8}) {
+    if (!t->defined()) *t = nothing(x, at::kByte);
+  }
+  for (at::Tensor* t : {&out.x_scale_inv, &out.w_scale_inv}) {
+    if (!t->defined()) *t = nothing(x, at::kFloat);
+  }
+  return out;
+}
+
+Grads linear_backward(const at::Tensor& dy_in, const SavedForBackward& s, const at::Tensor& weight,
+                      const LinearConfig& c, const DelayedState& state, const OptTensor& main_grad,
+                      bool main_grad_overwrite, bool need_dgrad, bool need_wgrad,
+                      std::optional<at::ScalarType> bias_dtype) {
+  const DebugOptions& d = c.debug;
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const at::Tensor dy = as_matrix(dy_in, n);
+  const at::Tensor x_saved = s.x ? as_matrix(*s.x, k) : at::Tensor();
+
+  // 1. Column-parallel SP: start re-gathering the input for wgrad; it overlaps dgrad.
+  //    (Quantized after the gather, its column-wise data is whole already.)
+  WorkPtr x_work;
+  at::Tensor x_gathered;
+  if (need_wgrad && gathers_input(c) && (saves_hp_input(c) || keeps_local_fp8_input(c))) {
+    x_gathered = all_gather_rows(saves_hp_input(c) ? x_saved : s.x_fp8, *c.tp_group, &x_work);
+  }
+  // 2. The gradient: quantized, and gathered along rows under row-parallel SP.
+  const Prepared g = prepare_grad(dy, c, state, need_dgrad, need_wgrad);
+  // 3. dgrad, then (column parallel) its reduction, in flight during wgrad.
+  Grads out;
+  WorkPtr dx_work;
+  if (need_dgrad) {
+    const Prepared w{weight, {at::Tensor(), s.w_fp8, s.w_scale_inv, c.fwd_format}};
+    const auto [dy_op, w_op] =
+        operands("dgrad", {"gradient", &g, false, d.fake_gradient},
+                 {"weight", &w, true, d.fake_weight}, c.fp8(), d.hp_dgrad, d, s.x_dtype);
+    out.dx = run_gemm(dy_op, w_op, at::empty({dy_op.data.size(0), k}, dy.options().dtype(s.x_dtype)),
+                      std::nullopt, false);
+    if (c.parallel_mode == ParallelMode::kColumn && c.sequence_parallel) {
+      out.dx = reduce_scatter_rows(out.dx, *c.tp_group, &dx_work);
+    } else if (c.parallel_mode == ParallelMode::kColumn) {
+      all_reduce(out.dx, *c.tp_group, c10d::ReduceOp::SUM, &dx_work);
+    }
+  }
+  // 4. wgrad, into main_grad or a fresh dW.
+  if (need_wgrad) {
+    wait(x_work);
+    const Prepared in = input_for_wgrad(x_saved, x_gathered, s, c, state);
+    const auto [dy_op, x_op] =
+        operands("wgrad", {"gradient", &g, true, d.fake_gradient},
+                 {"activation", &in, true, d.fake_activation}, c.fp8(), d.hp_wgrad, d, s.x_dtype);
+    const bool accumulate = main_grad && !main_grad_overwrite;
+    at::Tensor dw = main_grad ? *main_grad : at::empty({n, k}, weight.options());
+    if (dy.size(0) > 0) {
+      run_gemm(dy_op, x_op, dw, std::nullopt, false, accumulate);
+    } else if (!accumulate) {
+      dw.zero_();  // no tokens: an empty sum (cuBLASLt has no GEMM with K = 0)
+    }
+    if (!main_grad) out.dw = dw;
+  }
+  wait(dx_work);
+  if (out.dx.defined()) out.dx = shaped(out.dx, s.x_shape);
+  // 5. db: the local sum; under row-parallel SP each rank holds part of the rows of dy.
+  if (bias_dtype) {
+    out.db = dy.sum(0, false, at::kFloat);
+    if (gathers_grad(c)) all_reduce(out.db, *c.tp_group, c10d::ReduceOp::SUM);
+    out.db = out.db.to(*bias_dtype);
+  }
+  return out;
+}
 
 Fp8Tensor all_gather_fp8(const at::Tensor& local, const QuantizerSpec& spec,
                          const ProcessGroupPtr& group, Fp8Tensor* local_out) {
@@ -439,12 +483,6 @@ Fp8Tensor all_gather_fp8(const at::Tensor& local, const QuantizerSpec& spec,
   if (local_out) *local_out = q;
   q.rowwise = all_gather_rows(q.rowwise, *group);  // FP8 bytes: half of bf16's traffic
   return q;
-}
-
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
-                  const LinearOptions& options) {
-  check_inputs(x, weight, bias, options);
-  return LinearFunction::apply(x, weight, bias, options, at::GradMode::is_enabled());
 }
 
 }  // namespace tpfp8

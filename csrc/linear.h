@@ -1,4 +1,6 @@
-// The Linear's forward and backward as one C++ autograd Function (y = x W^T + b):
+// The Linear's forward and backward (y = x W^T + b), registered as the schema-first ops
+// torch.ops.tpfp8.linear_forward / linear_backward (linear_ops.cpp). Python's autograd
+// Function (tpfp8/module.py) joins them; torch.compile sees two opaque ops with fake kernels.
 //
 //   forward   x [.., K] -> x2 [M, K]; quantize x2 (row-wise, + column-wise if wgrad will need it)
 //             quantize W [N, K] (row-wise, + column-wise for dgrad) or take the cached FP8 W
@@ -8,9 +10,10 @@
 //             wgrad  dW = dy^T . x2               GEMM(dy column-wise, x column-wise) ->
 //             W.main_grad or dW db = sum over M of dy
 //
-// Saved for backward: the column-wise FP8 input (1 byte per element) and the column-wise FP8
-// weight, or with save_original_input the high-precision input, re-quantized in backward.
-// Outside FP8 the same three GEMMs run in the input's precision.
+// Forward returns what backward needs: the column-wise FP8 input (1 byte per element) and the
+// column-wise FP8 weight; with save_original_input (or debugging) the caller keeps the
+// high-precision input instead, re-quantized in backward. Outside FP8 the same three GEMMs run
+// in the input's precision.
 #pragma once
 
 #include <torch/types.h>
@@ -20,6 +23,7 @@
 #include <string>
 
 #include "comm.h"
+#include "ops.h"
 #include "quantizer.h"
 
 namespace tpfp8 {
@@ -52,26 +56,98 @@ struct DebugOptions {
       log;
 };
 
-struct LinearOptions {
-  bool fp8 = false;
-  QuantizerSpec input, weight, grad;  // used when fp8
-  bool save_original_input = false;
-  // wgrad into `main_grad` (fp32 [N, K]), written when main_grad_overwrite (first micro-batch)
-  // else accumulated; the weight then gets no .grad.
-  bool fuse_wgrad_accumulation = false;
-  at::Tensor main_grad;
-  bool main_grad_overwrite = false;
-  // kFill casts the weight into these buffers, kReuse uses them without casting.
+// The debug options as ops take them: [] (off) or [hp_fprop, hp_dgrad, hp_wgrad,
+// fake_activation, fake_weight, fake_gradient, logger] -- logger -1 for none, else the handle
+// tpfp8.debug registered with set_debug_logger.
+DebugOptions debug_options(at::IntArrayRef packed);
+// The Python function debug reports go to: logger(handle, gemm, tensor, used, original,
+// scale_inv, format).
+void set_debug_logger(std::function<void(int64_t, const std::string&, const std::string&,
+                                         const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         int64_t)>
+                          logger);
+
+// A layer's settings for one call: fixed by the module's configuration and the recipe in force.
+struct LinearConfig {
+  Scaling scaling = Scaling::kNone;  // kNone: high precision
+  Fp8Format fwd_format = Fp8Format::kE4M3, grad_format = Fp8Format::kE5M2;
+  double epsilon = 0.0;  // current scaling
   WeightCache weight_cache = WeightCache::kNone;
-  at::Tensor weight_cache_rowwise, weight_cache_columnwise, weight_cache_scale_inv;
+  bool save_original_input = false;
   ParallelMode parallel_mode = ParallelMode::kNone;
   bool sequence_parallel = false;
-  ProcessGroupPtr tp_group;
-  // Active debugging also gathers the high-precision input and quantizes the gathered tensor
-  // (its statistics and its usages must be of the tensor the GEMMs use) instead of gathering
-  // FP8 bytes.
+  ProcessGroupPtr tp_group;  // resolved from its name (torch's process-group registry)
   DebugOptions debug;
+  bool fp8() const { return scaling != Scaling::kNone; }
 };
+
+LinearConfig linear_config(int64_t scaling, int64_t fwd_format, int64_t grad_format, double epsilon,
+                           int64_t weight_cache, bool save_original_input, int64_t parallel_mode,
+                           bool sequence_parallel, const std::string& group_name,
+                           at::IntArrayRef debug);
+
+// Delayed-scaling state of a layer (undefined otherwise): scale [3] and amax_history [3, H]
+// (tensor-major, newest first) of the input, the weight and the output gradient. Casts fold
+// their amax into row 0 unless amax_history is undefined (a checkpoint's recompute).
+struct DelayedState {
+  at::Tensor scale, amax_history;
+};
+enum Role : int64_t { kInput = 0, kWeight = 1, kGrad = 2 };
+
+// The weight's FP8 cache: filled with kFill, read with kReuse.
+struct WeightCacheBuffers {
+  at::Tensor rowwise, columnwise, scale_inv;
+};
+
+// Raises ValueError (what was given, how to fix it) unless the forward can run these arguments.
+void check_inputs(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
+                  const LinearConfig& c, const DelayedState& state, const WeightCacheBuffers& cache,
+                  const OptTensor& main_grad);
+
+// The forward op's arguments as the C++ forward takes them, checked (check_inputs). The op
+// and its fake kernel (for torch.compile and the meta device) both call this.
+struct ForwardCall {
+  LinearConfig c;
+  DelayedState state;
+  WeightCacheBuffers cache;
+};
+ForwardCall checked_forward_call(const at::Tensor& x, const at::Tensor& weight,
+                                 const OptTensor& bias, const OptTensor& scale,
+                                 const OptTensor& amax_history, const OptTensor& cache_rowwise,
+                                 const OptTensor& cache_columnwise,
+                                 const OptTensor& cache_scale_inv, const OptTensor& main_grad,
+                                 int64_t scaling, int64_t fwd_format, int64_t grad_format,
+                                 double epsilon, int64_t weight_cache, bool save_original_input,
+                                 int64_t parallel_mode, bool sequence_parallel,
+                                 const std::string& group_name, at::IntArrayRef debug);
+
+struct ForwardResult {
+  at::Tensor y;
+  // For wgrad: column-wise FP8 input [K, M], or (column-parallel SP) this rank's row-wise
+  // bytes [M/tp, K], re-gathered in backward; empty when backward needs none.
+  at::Tensor x_fp8, x_scale_inv;
+  // For dgrad: the column-wise FP8 weight [K, N] (empty when cached: the cache is the copy).
+  at::Tensor w_fp8, w_scale_inv;
+};
+ForwardResult linear_forward(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
+                             const LinearConfig& c, const DelayedState& state,
+                             const WeightCacheBuffers& cache, bool need_dgrad, bool need_wgrad);
+
+// What forward kept, as backward takes it.
+struct SavedForBackward {
+  OptTensor x;  // the high-precision input (high precision, save_original_input, debugging)
+  at::Tensor x_fp8, x_scale_inv, w_fp8, w_scale_inv;
+  std::vector<int64_t> x_shape;
+  at::ScalarType x_dtype;
+};
+struct Grads {
+  at::Tensor dx, dw, db;  // undefined where not asked for (dw: also when fused into main_grad)
+};
+// main_grad, when given, receives wgrad (overwritten or accumulated); else dW is returned.
+Grads linear_backward(const at::Tensor& dy, const SavedForBackward& saved, const at::Tensor& weight,
+                      const LinearConfig& c, const DelayedState& state, const OptTensor& main_grad,
+                      bool main_grad_overwrite, bool need_dgrad, bool need_wgrad,
+                      std::optional<at::ScalarType> bias_dtype);
 
 // Sequence-parallel gather in FP8: quantize this rank's rows [m, K] (current scaling reduces
 // the amax over the group first, so the scale is the whole tensor's on every rank), then
@@ -79,14 +155,5 @@ struct LinearOptions {
 // given, receives this rank's quantized rows.
 Fp8Tensor all_gather_fp8(const at::Tensor& local, const QuantizerSpec& spec,
                          const ProcessGroupPtr& group, Fp8Tensor* local_out = nullptr);
-
-// Raises ValueError (what was given, how to fix it) unless `linear` can run these arguments.
-void check_inputs(const at::Tensor& x, const at::Tensor& weight,
-                  const std::optional<at::Tensor>& bias, const LinearOptions& options);
-
-// y = x W^T (+ bias) with autograd. x: [..., K] fp32/bf16/fp16; weight [N, K]; bias [N].
-// Every check runs before any FP8 state (amax history, caches) is touched.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
-                  const std::optional<at::Tensor>& bias, const LinearOptions& options);
 
 }  // namespace tpfp8

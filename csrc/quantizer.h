@@ -8,7 +8,6 @@
 #include <torch/types.h>
 
 #include <functional>
-#include <memory>
 #include <vector>
 
 #include "comm.h"
@@ -26,33 +25,20 @@ struct Fp8Tensor {
 
 enum class Scaling : int { kNone = 0, kDelayed = 1, kCurrent = 2 };
 
-// One module's delayed-scaling state of its backward tensors (the gradient), updated at the
-// end of the backward pass -- history rolled, scales recomputed -- batched with every other
-// module's in one launch, after one all-reduce (MAX) of all their newest amaxes over
-// amax_group when there is one (tensor parallelism). Owned by the module; shared here.
-struct DelayedUpdate {
-  at::Tensor history;           // [n, history_len] fp32, tensor-major, newest first
-  at::Tensor scale, scale_inv;  // [n] fp32
-  std::vector<double> fp8_max;  // [n]
-  int64_t margin = 0;
-  bool use_history_max = true;
-  ProcessGroupPtr amax_group;  // null on a single device
-};
-
-// Updates now: the states that share a device, recipe and amax_group get one all-reduce and
-// one launch (fp8_autocast's exit calls this for the forward states).
-void update_delayed(const std::vector<std::shared_ptr<DelayedUpdate>>& updates);
-
-// Queues `update` for the end of the running backward pass (a no-op outside backward; several
-// calls for one state within a pass update it once). Each pass -- autograd graph task -- keeps
-// its own queue, so concurrent backward passes (threads) each update their own states.
-void update_after_backward(const std::shared_ptr<DelayedUpdate>& update);
+// Delayed-scaling update of many layers' states now: histories[j] [n_j, H] (tensor-major,
+// newest first), scales[j] / scale_invs[j] [n_j], fp8_max one per tensor. With `amax_group`
+// the newest amaxes of all of them are all-reduced (MAX) first, in one collective; then the
+// histories roll and the scales update in one launch per 96 tensors.
+void update_delayed(const std::vector<at::Tensor>& histories, const std::vector<at::Tensor>& scales,
+                    const std::vector<at::Tensor>& scale_invs, const std::vector<double>& fp8_max,
+                    int64_t margin, bool use_history_max, const ProcessGroupPtr& amax_group);
 
 struct QuantizerSpec {
   Scaling scaling = Scaling::kNone;
   Fp8Format format = Fp8Format::kE4M3;
   // Delayed scaling: cast with the module's current scale ([1] view) and fold this step's
-  // amax into its history row 0 ([1] view); the update happens at the end of the step.
+  // amax into its history row 0 ([1] view; undefined: not recorded, as in a checkpoint's
+  // recompute); the update happens at the end of the step.
   at::Tensor scale;
   at::Tensor amax;
   // Current scaling: scale = fp8_max / max(amax, epsilon) of this very tensor. reduce_amax,
@@ -60,8 +46,6 @@ struct QuantizerSpec {
   // an all-reduce MAX so every rank gets the same scale).
   double epsilon = 0.0;
   std::function<void(at::Tensor&)> reduce_amax;
-  // Delayed scaling of a gradient: the state to update once backward is done.
-  std::shared_ptr<DelayedUpdate> after_backward;
 };
 
 // Quantizes a 2-D contiguous tensor. The outputs are fresh tensors unless `into` provides

@@ -35,6 +35,17 @@ def encode(v32, fmt):
     return np.where(np.isnan(v32), 0x7F, code).astype(np.uint8)
 
 
+def pending_scale(state, fmt, tensor=0):
+    """The scale delayed scaling gives `tensor` of `state` (fp8_state's "forward" or
+    "backward") at its next update, with the "max" algorithm and margin 0: fp8_max / the
+    largest amax of its history, the newest (pending) row included; the old scale when that
+    is 0. Gradients use the scale their layer's last fp8_autocast exit made, so the scale a
+    backward uses is this, taken before its step's forward."""
+    amax = np.float32(state["amax_history"][:, tensor].max().cpu())
+    old = np.float32(state["scale"][tensor].cpu())
+    return np.float32(MAX[fmt]) / amax if amax > 0 else old
+
+
 def current_scale(t, fmt):
     """Current scaling's fp32 scale of tensor `t`: fp8_max / amax, in fp32 as tpfp8 computes."""
     amax = np.float32(t.detach().float().abs().max().cpu())

@@ -61,9 +61,12 @@ def test_not_a_tensor_is_a_type_error():
         tpfp8.Linear(32, 48)([1.0] * 32)
 
 
-def test_check_inputs_is_exposed_for_other_callers():
-    opts = _C.LinearOptions()
-    _C.check_inputs(torch.randn(2, 32), torch.randn(48, 32), None, opts)
-    opts.fp8 = True
-    with pytest.raises(ValueError, match="multiples of 16, got 24 and 48"):
-        _C.check_inputs(torch.randn(2, 24), torch.randn(48, 24), None, opts)
+def test_the_forward_op_and_its_fake_kernel_share_one_check():
+    def check(x, weight, scaling):
+        return (x, weight, None, None, None, None, None, None, None, scaling, 0, 1, 0.0, 0,
+                False, 0, False, "", [])
+    _C.check_linear_forward(*check(torch.randn(2, 32), torch.randn(48, 32), 2))
+    for device in ("cpu", "meta"):  # the op, and its fake kernel (meta device)
+        x, w = torch.randn(2, 24, device=device), torch.randn(48, 24, device=device)
+        with pytest.raises(ValueError, match="multiples of 16, got 24 and 48"):
+            torch.ops.tpfp8.linear_forward(*check(x, w, 2), False, False)

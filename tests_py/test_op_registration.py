@@ -46,6 +46,42 @@ def samples(device):
         "gemm high precision": (x[:16], x, torch.empty(16, 32, dtype=torch.bfloat16,
                                                       device=device), None, None, bf16, bf16,
                                 None, False, False, False, False),
+        **linear_samples(device, x, f32, u8, g),
+    }
+
+
+def linear_samples(device, x, f32, u8, g):
+    """The Linear's forward (delayed scaling; current scaling filling the weight cache; high
+    precision) and backward (FP8 into a main_grad; high precision)."""
+    w = torch.randn(48, 64, generator=g).to(device)
+    bias = torch.randn(48, generator=g).to(device)
+    codes = torch.randint(0, 126, (64, 48), generator=g, dtype=torch.uint8).to(device)
+    x_codes = torch.randint(0, 126, (64, 32), generator=g, dtype=torch.uint8).to(device)
+    dy = torch.randn(32, 48, generator=g).bfloat16().to(device)
+
+    def state():
+        return f32(1.0, 2.0, 4.0), torch.zeros(3, 8, device=device)
+
+    def config(scaling, cache=0, debug=()):
+        return (scaling, 0, 1, 0.0, cache, False, 0, False, "", list(debug))
+
+    delayed, current = 1, 2
+    return {
+        "linear_forward delayed": (x, w, bias, *state(), None, None, None, None,
+                                   *config(delayed), True, True),
+        "linear_forward current weight cache": (
+            x, w, None, None, None, u8(48, 64), u8(64, 48), f32(0.0), None,
+            *config(current, cache=1), True, True),
+        "linear_forward high precision": (x, w.bfloat16(), bias.bfloat16(), None, None, None,
+                                          None, None, None, *config(0), True, True),
+        "linear_backward main_grad": (
+            dy, None, x_codes, f32(0.5), w, codes, f32(0.25), *state(), torch.zeros(48, 64, device=device), False,
+            *config(delayed)[:4], False, 0, False, "", [], [32, 64], torch.bfloat16,
+            torch.float32, True, True),
+        "linear_backward high precision": (
+            dy, x, u8(0), f32(), w.bfloat16(), u8(0), f32(), None, None, None, False,
+            *config(0)[:4], False, 0, False, "", [], [32, 64], torch.bfloat16, torch.bfloat16,
+            True, True),
     }
 
 
@@ -55,7 +91,7 @@ OP_CASES = list(samples("cpu"))
 def test_every_op_has_a_fake_kernel_and_a_case():
     registered = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names()
                   if name.startswith("tpfp8::")}
-    assert registered == set(tpfp8._fake._OPS) == {case.split()[0] for case in OP_CASES}
+    assert registered == set(tpfp8._fake.OPS) == {case.split()[0] for case in OP_CASES}
 
 
 @pytest.mark.parametrize("case", OP_CASES)

@@ -1,18 +1,84 @@
-"""Fake (meta) kernels of the native ops, for torch.compile and torch.library.opcheck.
+"""Fake (meta) kernels of the native ops, for torch.compile, torch.library.opcheck and the meta
+device.
 
-Every tpfp8 op writes into tensors its caller passes and returns nothing, so tracing needs no
-output shapes: a fake kernel only declares that the op exists off the real devices. The
-arguments are checked once, by the C++ op when it runs.
+The cast and GEMM ops write into tensors their caller passes and return nothing: their fake
+kernels only declare that the op exists off the real devices. The Linear's two ops return new
+tensors: their fake kernels give the shapes the C++ ops give (csrc/linear.cpp) and, for the
+forward, run the same argument check (ValueError) the op runs.
 """
 import torch
+from torch.distributed import distributed_c10d
 
-_OPS = ("quantize", "cast_transpose", "cast_transpose_current", "transpose_fp8", "dequantize",
-        "amax", "delayed_scaling_update", "delayed_scaling_update_many", "gemm")
+from . import _C
+
+_WRITERS = ("quantize", "cast_transpose", "cast_transpose_current", "transpose_fp8",
+            "dequantize", "amax", "delayed_scaling_update", "delayed_scaling_update_many", "gemm")
+OPS = _WRITERS + ("linear_forward", "linear_backward")
+_COLUMN, _ROW = int(_C.ParallelMode.COLUMN), int(_C.ParallelMode.ROW)
 
 
 def _writes_only_its_arguments(*args, **kwargs) -> None:
     return None
 
 
-for _name in _OPS:
+for _name in _WRITERS:
     torch.library.register_fake(f"tpfp8::{_name}")(_writes_only_its_arguments)
+
+
+def _group_size(group_name: str) -> int:
+    return distributed_c10d._resolve_process_group(group_name).size() if group_name else 1
+
+
+def _static(*tensors) -> bool:
+    return all(isinstance(d, int) for t in tensors if t is not None for d in t.shape)
+
+
+@torch.library.register_fake("tpfp8::linear_forward")
+def _linear_forward(x, weight, bias, scale, amax_history, cache_rowwise, cache_columnwise,
+                    cache_scale_inv, main_grad, scaling, fwd_format, grad_format, epsilon,
+                    weight_cache, save_original_input, parallel_mode, sequence_parallel,
+                    group_name, debug, need_dgrad, need_wgrad):
+    if _static(x, weight):  # (symbolic sizes: the op checks when it runs)
+        _C.check_linear_forward(x, weight, bias, scale, amax_history, cache_rowwise,
+                                cache_columnwise, cache_scale_inv, main_grad, scaling,
+                                fwd_format, grad_format, epsilon, weight_cache,
+                                save_original_input, parallel_mode, sequence_parallel,
+                                group_name, debug)
+    n, k = weight.shape
+    tp = _group_size(group_name) if sequence_parallel else 1
+    shape = list(x.shape)
+    shape[-1] = n
+    if sequence_parallel:
+        shape[0] = shape[0] * tp if parallel_mode == _COLUMN else shape[0] // tp
+    rows = x.numel() // k
+    gathers = parallel_mode == _COLUMN and sequence_parallel
+
+    def u8(*size):
+        return x.new_empty(size, dtype=torch.uint8)
+
+    def f32(*size):
+        return x.new_empty(size, dtype=torch.float32)
+
+    fp8 = scaling != int(_C.Scaling.NONE)
+    x_fp8 = u8(0)
+    if fp8 and need_wgrad and not save_original_input:
+        if gathers and not debug:
+            x_fp8 = u8(rows, k)  # this rank's rows, re-gathered in backward
+        else:
+            x_fp8 = u8(k, rows * tp if gathers else rows)
+    uncached = fp8 and weight_cache == 0
+    return (x.new_empty(shape), x_fp8, f32(1) if fp8 else f32(0),
+            u8(k, n) if uncached and need_dgrad else u8(0), f32(1) if uncached else f32(0))
+
+
+@torch.library.register_fake("tpfp8::linear_backward")
+def _linear_backward(dy, x, x_fp8, x_scale_inv, weight, w_fp8, w_scale_inv, scale, amax_history,
+                     main_grad, main_grad_overwrite, scaling, fwd_format, grad_format, epsilon,
+                     save_original_input, parallel_mode, sequence_parallel, group_name, debug,
+                     x_shape, x_dtype, bias_dtype, need_dgrad, need_wgrad):
+    nothing = dy.new_empty(0)
+    dx = dy.new_empty(x_shape, dtype=x_dtype) if need_dgrad else nothing
+    dw = weight.new_empty(weight.shape) if need_wgrad and main_grad is None else dy.new_empty(0)
+    db = dy.new_empty(weight.shape[0], dtype=bias_dtype) if bias_dtype is not None else \
+        dy.new_empty(0)
+    return dx, dw, db

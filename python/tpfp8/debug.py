@@ -67,7 +67,8 @@ class _State:
     step = 0
     log_dir = None
     records = []
-    matching = {}  # layer name -> matching rules at the current step (a step's regex searches)
+    matching = {}
+    loggers = {}  # handle -> the report function of a layer (its latest debugged call)  # layer name -> matching rules at the current step (a step's regex searches)
 
 
 def _names(value, allowed, what, where):
@@ -132,7 +133,7 @@ def initialize(config, log_dir: Optional[str] = None) -> None:
         raise ValueError("a debug config is a list of rules, or a dict with 'rules': [...]")
     _State.rules = [_parse_rule(r, i) for i, r in enumerate(rules)]
     _State.step, _State.log_dir, _State.records = 0, log_dir, []
-    _State.matching = {}
+    _State.matching, _State.loggers = {}, {}
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
 
@@ -146,6 +147,7 @@ def step() -> None:
 def shutdown() -> None:
     """Deactivates debugging; layers run the normal path again."""
     _State.rules = None
+    _State.loggers = {}
 
 
 def records() -> list:
@@ -153,8 +155,10 @@ def records() -> list:
     return list(_State.records)
 
 
-def options_for(layer) -> Optional["_C.DebugOptions"]:
-    """The debug options of `layer` at the current step, or None when no rule applies."""
+def options_for(layer) -> Optional[tuple]:
+    """The debug options of `layer` at the current step as the ops take them -- (hp_fprop,
+    hp_dgrad, hp_wgrad, fake activation, fake weight, fake gradient format or -1, logger
+    handle or -1) -- or None when no rule applies."""
     if not _State.rules:
         return None
     rules = _State.matching.get(layer.name)
@@ -163,19 +167,23 @@ def options_for(layer) -> Optional["_C.DebugOptions"]:
         _State.matching[layer.name] = rules
     if not rules:
         return None
-    d = _C.DebugOptions()
-    d.active = True
     hp = set().union(*(r.high_precision for r in rules))
-    d.hp_fprop, d.hp_dgrad, d.hp_wgrad = ("fprop" in hp, "dgrad" in hp, "wgrad" in hp)
     fake = {}
     for r in rules:
         fake.update(r.fake)
-    d.fake_activation, d.fake_weight, d.fake_gradient = (
-        int(fake[t]) if t in fake else -1 for t in TENSORS)
     wanted = set().union(*(r.log for r in rules))
-    if wanted:
-        d.log = _logger(layer, wanted, _State.step)
-    return d
+    handle = -1
+    if wanted:  # the op reports to _report with this handle, from forward and backward
+        handle = id(layer)
+        _State.loggers[handle] = _logger(layer, wanted, _State.step)
+    return (int("fprop" in hp), int("dgrad" in hp), int("wgrad" in hp),
+            *(int(fake[t]) if t in fake else -1 for t in TENSORS), handle)
+
+
+def _report(handle, gemm, tensor, used, original, scale_inv, fmt) -> None:
+    log = _State.loggers.get(handle)
+    if log is not None:
+        log(gemm, tensor, used, original, scale_inv, fmt)
 
 
 def _sharded(layer, tensor: str) -> bool:
@@ -245,3 +253,6 @@ def _write(record: dict) -> None:
         path = os.path.join(_State.log_dir, f"tpfp8_debug_rank{rank}.jsonl")
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+_C.set_debug_logger(_report)

@@ -1,6 +1,7 @@
 """``tpfp8.Linear``: a drop-in ``torch.nn.Linear`` whose three GEMMs run in FP8 inside
-``fp8_autocast``. All math happens in C++ (csrc/linear.cpp); this file holds the module's
-parameters and FP8 state and translates them into the C++ call."""
+``fp8_autocast``. All math happens in C++ (the ops torch.ops.tpfp8.linear_forward /
+linear_backward, csrc/linear.cpp); this file holds the module's parameters and FP8 state as
+tensors and joins the two ops with autograd."""
 import copy
 import dataclasses
 import math
@@ -13,11 +14,11 @@ from . import _C
 from . import autocast as _autocast
 from . import debug as _debug
 from . import parallel as _parallel
-from .recipe import CurrentScaling, DelayedScaling
+from . import scaling as _scaling
+from .recipe import DelayedScaling
 
-_INPUT, _WEIGHT = 0, 1  # columns of the forward scaling state
-_PARALLEL = {None: _C.ParallelMode.NONE, "column": _C.ParallelMode.COLUMN,
-             "row": _C.ParallelMode.ROW}
+_PARALLEL = {None: int(_C.ParallelMode.NONE), "column": int(_C.ParallelMode.COLUMN),
+             "row": int(_C.ParallelMode.ROW)}
 
 
 class Linear(nn.Module):
@@ -82,11 +83,17 @@ class Linear(nn.Module):
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.return_bias = return_bias
         self.name = name
-        self._fwd_meta = None  # delayed scaling state, made on the first FP8 forward
-        self._bwd_meta = None
-        # (what the options are made of, LinearOptions, refs, a _Call of them for reuse)
-        self._options_cache = (None,)
-        self._weight_cache = None
+        self._group_name = tp_group.group_name if parallel_mode else ""
+        # Delayed-scaling state (input, weight, output gradient): made with the parameters
+        # (reset_parameters), so that a compiled model's first step finds it as a buffer; the
+        # recipe it follows (None: no delayed-scaling step yet) and the group its amaxes were
+        # last reduced over.
+        for name in ("fp8_scale", "fp8_scale_inv", "fp8_amax_history"):
+            self.register_buffer(name, None, persistent=False)  # checkpointed as extra state
+        self._fp8_recipe, self._fp8_amax_group = None, None
+        # The cached FP8 weight (is_first_microbatch), made by the first call that fills it.
+        for name in ("_fp8_weight_rowwise", "_fp8_weight_columnwise", "_fp8_weight_scale_inv"):
+            self.register_buffer(name, None, persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -102,6 +109,14 @@ class Linear(nn.Module):
             bias = torch.empty(self.out_features, dtype=self.bias.dtype,
                                device=self.bias.device).uniform_(-bound, bound)
         self.load_full_state_dict({"weight": weight, "bias": bias})
+        self._reset_fp8_state()
+
+    def _reset_fp8_state(self) -> None:
+        """Fresh delayed-scaling state on the weight's device (scales 1, histories zero, the
+        default recipe's history length) and no cached FP8 weight."""
+        self._keep_state(_scaling.fresh(DelayedScaling(), self.weight.device))
+        self._fp8_recipe = None
+        self._keep_weight_cache((None, None, None))
 
     @staticmethod
     def _check_parallel(mode, group, sequence_parallel, in_features, out_features):
@@ -151,31 +166,74 @@ class Linear(nn.Module):
 
     # ---- FP8 state ----------------------------------------------------------------------
 
-    def _delayed_metas(self, recipe: DelayedScaling, device):
-        """The forward and backward delayed-scaling state for `recipe`: the module's own, or
-        new objects made from it (a first FP8 step, or another history length or format). Only
-        a call that succeeds keeps new ones (`_commit`)."""
-        if self._fwd_meta is None:
-            return _new_metas(recipe, device)
-        fwd_fmt, grad_fmt = recipe.formats
-        return (self._fwd_meta.adopted(recipe, [fwd_fmt, fwd_fmt], device),
-                self._bwd_meta.adopted(recipe, [grad_fmt], device))
+    @property
+    def fp8_state(self) -> Optional[dict]:
+        """The delayed-scaling state, to inspect (views of the live buffers: read, do not
+        write), or None before the first delayed-scaling FP8 step: ``{"forward": {"scale": [2],
+        "scale_inv": [2], "amax_history": [history_len, 2]}`` (input, weight), ``"backward":
+        {... [1] ...}`` (the output gradient), ``"recipe"``: the DelayedScaling it follows,
+        ``"amax_group"``: the group its amaxes were last reduced over (or None)}. Row 0 of a
+        history is the running step's amax. The module's buffers ``fp8_scale``,
+        ``fp8_scale_inv`` [3] and ``fp8_amax_history`` [3, history_len] hold all three."""
+        if self._fp8_recipe is None:
+            return None
+        state = _scaling.split(self.fp8_scale, self.fp8_scale_inv, self.fp8_amax_history)
+        return {**state, "recipe": self._fp8_recipe, "amax_group": self._fp8_amax_group}
+
+    def get_extra_state(self):
+        """FP8 state (delayed-scaling scales and amax histories) for checkpoints: tensors and
+        plain values only, so ``torch.load(..., weights_only=True)`` (its default) reads it."""
+        if self._fp8_recipe is None:
+            return None
+        state = _scaling.split(self.fp8_scale, self.fp8_scale_inv, self.fp8_amax_history)
+        return {**state, "recipe": dataclasses.asdict(self._fp8_recipe)}
+
+    def set_extra_state(self, state) -> None:
+        """Loads the FP8 state as it was saved (its recipe, its history length); a forward
+        with another ``amax_history_len`` then resizes the histories, keeping the newest
+        entries. State of the same layout is loaded into the module's own buffers (those a
+        captured CUDA graph updates)."""
+        if not state:
+            return
+        recipe = state["recipe"]
+        if isinstance(recipe, dict):  # (older checkpoints hold the DelayedScaling itself)
+            recipe = DelayedScaling(**recipe)
+        loaded = _scaling.joined(state, self.weight.device)
+        mine = (self.fp8_scale, self.fp8_scale_inv, self.fp8_amax_history)
+        same = (mine[2] is not None and mine[2].shape == loaded[2].shape
+                and mine[2].device == loaded[2].device)
+        with torch.no_grad():
+            if same:
+                for buffer, value in zip(mine, loaded):
+                    buffer.copy_(value)
+            else:
+                self._keep_state(loaded)
+        self._fp8_recipe = recipe
+
+    def _keep_state(self, tensors) -> None:
+        self.fp8_scale, self.fp8_scale_inv, self.fp8_amax_history = tensors
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # A plain nn.Linear checkpoint has no _extra_state: accept it.
+        state_dict.setdefault(prefix + "_extra_state", None)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def __getstate__(self):
-        """Pickling and copy.deepcopy (an EMA copy, ``AveragedModel``): the prepared C++
-        options are a cache, made again by the next forward, and do not pickle."""
+        """Pickling: the amax group (a ProcessGroup) does not pickle; the next FP8 forward
+        sets it again."""
         state = super().__getstate__()  # a copy already
-        state["_options_cache"] = (None,)
+        state["_fp8_amax_group"] = None
         return state
 
     def __deepcopy__(self, memo):
         # A copy computes over the same tensor-parallel group: shared, not copied (a
         # ProcessGroup cannot be).
-        if self.tp_group is not None:
-            memo[id(self.tp_group)] = self.tp_group
+        for group in (self.tp_group, self._fp8_amax_group):
+            if group is not None:
+                memo[id(group)] = group
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
-        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        new.__setstate__(copy.deepcopy(super().__getstate__(), memo))
         return new
 
     def __setattr__(self, name, value):
@@ -189,121 +247,42 @@ class Linear(nn.Module):
         """``.to()``, ``.cuda()``, ``.half()``...: the FP8 state moves with the parameters and
         stays fp32 (a loaded checkpoint's scales and histories survive ``model.cuda()``), as do
         ``weight.main_grad`` (like ``.grad``) and the parameters' tensor-parallel attributes.
-        What was made from the parameters as they were -- the cached FP8 weight, the prepared
-        C++ options -- is dropped if they changed: the next ``is_first_microbatch=True`` call
-        refills the cache."""
+        The cached FP8 weight is dropped if the weight changed: the next
+        ``is_first_microbatch=True`` call refills it."""
         before, params = self._weight_identity(), (self.weight, self.bias)
-        super()._apply(fn, *args, **kwargs)
-        device = self.weight.device
-        for meta in (self._fwd_meta, self._bwd_meta):
-            if meta is not None:
-                meta.move_to(device)
+        kept = {name: self._buffers[name] for name in _FP32_STATE}  # moved, never converted
+        self._buffers.update(dict.fromkeys(_FP32_STATE))
+        try:
+            super()._apply(fn, *args, **kwargs)
+        finally:
+            for name, t in kept.items():
+                self._buffers[name] = None if t is None else _moved(fn, t)
         # torch makes new Parameter objects for some moves (to or from "meta", or with
         # torch.__future__'s overwrite flag): what was set on the old ones is carried over.
+        device = self.weight.device
         for old, new in zip(params, (self.weight, self.bias)):
             for attr in ("tensor_model_parallel", "partition_dim", "main_grad"):
                 value = getattr(old, attr, None)
                 if new is not None and value is not None:
                     setattr(new, attr, value.to(device) if attr == "main_grad" else value)
         if self._weight_identity() != before:
-            self._weight_cache = None
-        self._options_cache = (None,)
+            self._keep_weight_cache((None, None, None))
         return self
 
     def _weight_identity(self):
         w = self.weight
         return w.data_ptr() if w.device.type != "meta" else None, w.dtype, w.device
 
-    def _quantizers(self, recipe, metas, replay=None):
-        """The input, weight and gradient quantizer specs; `metas`: the delayed-scaling state
-        they cast with; `replay`: a checkpoint recompute's forward scales (its amaxes, in the
-        history already, go to scratch)."""
-        fwd_fmt, grad_fmt = recipe.formats
-        specs = [_C.QuantizerSpec() for _ in range(3)]
-        for spec, fmt in zip(specs, (fwd_fmt, fwd_fmt, grad_fmt)):
-            spec.format = fmt.native
-            spec.scaling = (_C.Scaling.DELAYED if isinstance(recipe, DelayedScaling)
-                            else _C.Scaling.CURRENT)
-        if isinstance(recipe, CurrentScaling):
-            for spec in specs:
-                spec.epsilon = recipe.amax_epsilon
-            return specs
-        fwd, bwd = metas
-        for spec, col in ((specs[0], _INPUT), (specs[1], _WEIGHT)):
-            spec.scale = (fwd.scale if replay is None else replay)[col:col + 1]
-            spec.amax = (fwd.amax_slot(col) if replay is None
-                         else torch.zeros(1, device=fwd.scale.device))
-        specs[2].scale, specs[2].amax = bwd.scale[:1], bwd.amax_slot(0)
-        specs[2].after_backward = bwd.native  # C++ updates it when backward is done
-        return specs
-
-    @property
-    def fp8_state(self) -> Optional[dict]:
-        """The delayed-scaling state, to inspect (the live tensors: read, do not write), or
-        None before the first delayed-scaling FP8 step: ``{"forward": {"scale": [2],
-        "scale_inv": [2], "amax_history": [history_len, 2]}`` (input, weight), ``"backward":
-        {... [1] ...}`` (the output gradient), ``"recipe"``: the DelayedScaling it follows,
-        ``"amax_group"``: the group its amaxes were last reduced over (or None)}. Row 0 of a
-        history is the running step's amax."""
-        if self._fwd_meta is None:
-            return None
-        return {"forward": self._fwd_meta.state(), "backward": self._bwd_meta.state(),
-                "recipe": self._fwd_meta.recipe, "amax_group": self._fwd_meta.amax_group}
-
-    def get_extra_state(self):
-        """FP8 state (delayed-scaling scales and amax histories) for checkpoints: tensors and
-        plain values only, so ``torch.load(..., weights_only=True)`` (its default) reads it."""
-        if self._fwd_meta is None:
-            return None
-        return {"forward": self._fwd_meta.state(), "backward": self._bwd_meta.state(),
-                "recipe": dataclasses.asdict(self._fwd_meta.recipe)}
-
-    def set_extra_state(self, state) -> None:
-        """Loads the FP8 state as it was saved (its recipe, its history length); a forward
-        with another ``amax_history_len`` then resizes the histories, keeping the newest
-        entries. State of the same layout is loaded into the module's own tensors (those a
-        captured CUDA graph updates)."""
-        if not state:
-            return
-        recipe = state["recipe"]
-        if isinstance(recipe, dict):  # (older checkpoints hold the DelayedScaling itself)
-            recipe = DelayedScaling(**recipe)
-        loaded = _new_metas(recipe, self.weight.device)
-        for meta, direction in zip(loaded, ("forward", "backward")):
-            meta.load(state[direction])
-        mine = (self._fwd_meta, self._bwd_meta)
-        if mine[0] is not None and all(a.same_layout(b) for a, b in zip(mine, loaded)):
-            for meta, new in zip(mine, loaded):
-                meta.take(new)
-        else:
-            self._fwd_meta, self._bwd_meta = loaded
-        self._options_cache = (None,)  # the recipe in its key may have changed
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # A plain nn.Linear checkpoint has no _extra_state: accept it.
-        state_dict.setdefault(prefix + "_extra_state", None)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+    def _keep_weight_cache(self, buffers) -> None:
+        self._fp8_weight_rowwise, self._fp8_weight_columnwise, self._fp8_weight_scale_inv = buffers
 
     # ---- forward ------------------------------------------------------------------------
 
     @staticmethod
     def _check_type(x) -> None:
-        # The values are checked once, in C++ (tpfp8._C.check_inputs): ValueError.
+        # The values are checked once, in C++ (the op and its fake kernel): ValueError.
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"Linear expects a tensor, got {type(x).__name__}")
-
-    def _weight_cache_buffers(self, is_first_microbatch):
-        """(mode, buffers): new buffers (kept only if the call succeeds) on a first call."""
-        if is_first_microbatch is None:
-            return _C.WeightCache.NONE, None
-        cache = self._weight_cache
-        if cache is None and is_first_microbatch:  # (reusing none: refused by the C++ check)
-            n, k = self.weight.shape
-            u8 = {"dtype": torch.uint8, "device": self.weight.device}
-            with torch.inference_mode(False):  # state outlives an inference_mode call
-                cache = (torch.empty(n, k, **u8), torch.empty(k, n, **u8),
-                         torch.empty(1, device=self.weight.device))
-        return (_C.WeightCache.FILL if is_first_microbatch else _C.WeightCache.REUSE), cache
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         """``x [..., in_features] -> [..., out_features]``.
@@ -313,165 +292,238 @@ class Linear(nn.Module):
 
         A call that raises (bad input, a rejected option) leaves the module as it was: FP8
         state, weight cache and ``weight.main_grad`` are only changed by calls that succeed.
+        On the meta device it gives the output's shape and dtype and keeps nothing.
         """
         param = self.weight
         self._check_type(x)
         frame = _autocast.current()
-        if x.is_meta:
-            return self._meta_forward(x, frame, is_first_microbatch)
-        x, weight, bias = self._compute_dtype(x, param, in_fp8=frame is not None)
+        recipe = frame["recipe"] if frame is not None else None
+        x, weight, bias = self._compute_dtype(x, param, in_fp8=recipe is not None)
         bias_out = None
         if self.return_bias:
             bias_out, bias = bias, None
-        replay = _autocast.replayed_scales(frame, self)
-        call = self._prepare(frame, x.device, param, is_first_microbatch, replay)
-        y = _C.linear(x, weight, bias, call.options)
-        self._commit(call, param)
-        if frame is not None and isinstance(frame["recipe"], DelayedScaling):
-            self._schedule_updates(is_first_microbatch)
-            _autocast.record_scales(frame, self, self._fwd_meta.scale if replay is None else replay)
+        call = self._prepare(recipe, frame, x, param, is_first_microbatch)
+        y = _LinearFunction.apply(x, weight, bias, call.scale, call.amax_history, call.replay,
+                                  *call.weight_cache, call.main_grad, call.args)
+        if not x.is_meta:
+            self._commit(call, param, frame)
         return (y, bias_out) if self.return_bias else y
 
-    def _meta_forward(self, x, frame, is_first_microbatch):
-        """On the meta device (deferred initialisation, shape tracing): the output's shape and
-        dtype, as ``nn.Linear`` gives there, with sequence parallelism's change of dim 0,
-        after the checks a real call makes; no state is kept."""
-        call = self._build_options(frame, x.device, self.weight, is_first_microbatch)
-        _C.check_inputs(x, self.weight, self.bias, call.options)
-        tp = _parallel.group_size(self.tp_group) if self.sequence_parallel else 1
-        if self.sequence_parallel and self.parallel_mode == "column":
-            x = x.repeat(tp, *([1] * (x.dim() - 1)))
-        elif self.sequence_parallel:
-            x = x[:x.shape[0] // tp]
-        bias = None if self.return_bias else self.bias
-        y = nn.functional.linear(x, self.weight.to(x.dtype),
-                                 None if bias is None else bias.to(x.dtype))
-        return (y, self.bias) if self.return_bias else y
-
-    def _config_key(self, frame, device, weight, is_first_microbatch):
-        """Everything the prepared C++ options are made of: any change makes new ones."""
-        return (None if frame is None else (frame["recipe"], frame["amax_group"]), device,
-                is_first_microbatch, id(weight), weight.requires_grad,
-                id(getattr(weight, "main_grad", None)), self.save_original_input,
-                self.fuse_wgrad_accumulation)
-
-    def _prepare(self, frame, device, weight, is_first_microbatch, replay=None):
-        """The C++ call's options and the state it needs (`weight`: the parameter, not a
-        torch.autocast copy). Building options costs more host time than the rest of a
-        forward's Python, so they are kept and reused while what they are made of stays the
-        same (debugged calls and checkpoint recomputes, `replay`, build their own)."""
+    def _prepare(self, recipe, frame, x, param, is_first_microbatch) -> "_Call":
+        """The op's arguments for this call, and the state made for it (kept by `_commit`
+        once the call succeeded)."""
+        delayed = isinstance(recipe, DelayedScaling)
+        call = _Call(args=None)
+        if delayed:
+            call.state, call.new_state = self._delayed_state(recipe, x.device)
+            call.scale, _, call.amax_history = call.state
+            call.replay = _autocast.replayed_scales(frame, self)
+            call.amax_group = _parallel.amax_group_for(self.tp_group, self.sequence_parallel,
+                                                       frame["amax_group"])
+        cache_mode, call.weight_cache, call.new_cache = self._weight_cache_for(
+            recipe is not None, is_first_microbatch)
+        fuse = self.fuse_wgrad_accumulation and param.requires_grad
+        if fuse:
+            call.main_grad = getattr(param, "main_grad", None)
+            if call.main_grad is None:
+                _refuse_under_compile(
+                    "fuse_wgrad_accumulation=True needs weight.main_grad to exist before a "
+                    "compiled call (backward writes into it); run one step eagerly or set it, "
+                    "e.g. weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)")
+                with torch.inference_mode(False):
+                    call.main_grad = call.new_main_grad = torch.zeros_like(
+                        param, dtype=torch.float32)
+        grad = torch.is_grad_enabled()
         debug = _debug.options_for(self)
-        key = self._config_key(frame, device, weight, is_first_microbatch)
-        if debug is None and replay is None and self._options_cache[0] == key:
-            return self._options_cache[3]  # nothing left to commit
-        call = self._build_options(frame, device, weight, is_first_microbatch, replay)
-        if debug is not None:
-            call.options.debug = debug
-        elif replay is None:
-            call.cache_args = (frame, device, is_first_microbatch)
+        call.args = _OpArgs(
+            *_scaling.recipe_codes(recipe), cache_mode, self.save_original_input,
+            _PARALLEL[self.parallel_mode], self.sequence_parallel, self._group_name,
+            debug or (), grad and x.requires_grad, grad and param.requires_grad,
+            bool(is_first_microbatch), recipe is None or self.save_original_input or bool(debug),
+            # State made inside a compiled graph cannot be written by its backward: the first
+            # compiled step under another history length records no gradient amax.
+            not (call.new_state and torch.compiler.is_compiling()))
         return call
 
-    def _commit(self, call: "_Call", weight) -> None:
-        """Keeps what a successful call made: new FP8 state, weight cache, main_grad, and the
-        options for the next call."""
-        if call.main_grad is not None:
-            weight.main_grad = call.main_grad
-        stale = False  # whether prepared options point at state this call replaced
-        if call.metas is not None:
-            if call.metas != (self._fwd_meta, self._bwd_meta):
-                self._fwd_meta, self._bwd_meta = call.metas
-                stale = True
-            self._fwd_meta.amax_group = self._bwd_meta.amax_group = call.amax_group
-        if call.weight_cache is not None and call.weight_cache is not self._weight_cache:
-            self._weight_cache = call.weight_cache
-            stale = True
-        if stale:
-            self._options_cache = (None,)
-        if call.cache_args is not None:  # (after main_grad is set: the key names it)
-            key = self._config_key(call.cache_args[0], call.cache_args[1], weight,
-                                   call.cache_args[2])
-            # The ids' objects are kept alive, so the ids stay theirs.
-            self._options_cache = (key, call.options, (weight, getattr(weight, "main_grad", None)),
-                                   _Call(call.options))
+    def _delayed_state(self, recipe: DelayedScaling, device):
+        """(scale, scale_inv, amax_history) for `recipe`, and whether they are new: the
+        module's own buffers, or new tensors made from them (another history length, format or
+        device)."""
+        mine = (self.fp8_scale, self.fp8_scale_inv, self.fp8_amax_history)
+        if self._fp8_recipe is recipe and mine[0].device == device:
+            return mine, False
+        adopted = _scaling.adopted(mine, self._fp8_recipe or recipe, recipe, device)
+        return adopted, adopted is not mine
 
-    def _build_options(self, frame, device, weight, is_first_microbatch, replay=None):
-        call = _Call(_C.LinearOptions())
-        if frame is not None:
-            self._fp8_options(call, frame, device, is_first_microbatch, replay)
-        self._wgrad_options(call, weight, is_first_microbatch)
-        opts = call.options
-        if self.parallel_mode:
-            opts.parallel_mode = _PARALLEL[self.parallel_mode]
-            opts.sequence_parallel = self.sequence_parallel
-            opts.tp_group = self.tp_group
-        return call
+    def _weight_cache_for(self, fp8: bool, is_first_microbatch):
+        """(mode, (rowwise, columnwise, scale_inv), new): new buffers on a first call."""
+        if not fp8 or is_first_microbatch is None:
+            return _WEIGHT_CACHE_NONE, (None, None, None), False
+        cache = (self._fp8_weight_rowwise, self._fp8_weight_columnwise,
+                 self._fp8_weight_scale_inv)
+        new = cache[0] is None and bool(is_first_microbatch)
+        if new:  # (reusing none: refused by the op's check)
+            n, k = self.weight.shape
+            u8 = {"dtype": torch.uint8, "device": self.weight.device}
+            with torch.inference_mode(False):  # state outlives an inference_mode call
+                cache = (torch.empty(n, k, **u8), torch.empty(k, n, **u8),
+                         torch.empty(1, device=self.weight.device))
+        return (_WEIGHT_CACHE_FILL if is_first_microbatch else _WEIGHT_CACHE_REUSE), cache, new
+
+    def _commit(self, call: "_Call", weight, frame) -> None:
+        """Keeps what a successful call made (FP8 state, weight cache, main_grad) and
+        schedules the delayed-scaling update for the exit of the fp8_autocast block."""
+        if call.new_main_grad is not None:
+            weight.main_grad = call.new_main_grad
+        if call.new_cache:
+            self._keep_weight_cache(call.weight_cache)
+        if call.state is None:
+            return
+        if call.new_state:
+            self._keep_state(call.state)
+        if self._fp8_recipe is not frame["recipe"]:
+            self._fp8_recipe = frame["recipe"]
+        if self._fp8_amax_group is not call.amax_group:
+            self._fp8_amax_group = call.amax_group
+        if call.replay is None:
+            _autocast.record_scales(frame, self, self.fp8_scale)
+            # A reused weight cache recorded no new amax: the step's update comes with the
+            # micro-batch that filled it.
+            if call.args.weight_cache != _WEIGHT_CACHE_REUSE:
+                _autocast.register(frame, self)
 
     def _compute_dtype(self, x, weight, in_fp8: bool):
         """(x, weight, bias) in the dtype the GEMMs run in: torch.autocast's if enabled (the
         FP8 path casts the fp32 master weight itself), else the input's."""
         bias = self.bias
-        if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
+        if (x.is_floating_point() and not x.is_meta
+                and torch.is_autocast_enabled(x.device.type)):
             dtype = torch.get_autocast_dtype(x.device.type)
             x = x.to(dtype)
             weight = weight if in_fp8 else weight.to(dtype)
             bias = bias.to(dtype) if bias is not None else None
         return x, weight, bias
 
-    def _fp8_options(self, call, frame, device, is_first_microbatch, replay=None) -> None:
-        """Quantizers and the weight cache, for `_commit` to keep once the call succeeded."""
-        recipe = frame["recipe"]
-        call.amax_group = _parallel.amax_group_for(self.tp_group, self.sequence_parallel,
-                                                   frame["amax_group"])
-        mode, call.weight_cache = self._weight_cache_buffers(is_first_microbatch)
-        if isinstance(recipe, DelayedScaling):
-            call.metas = self._delayed_metas(recipe, device)
-        opts = call.options
-        opts.fp8 = True
-        opts.input, opts.weight, opts.grad = self._quantizers(recipe, call.metas, replay)
-        opts.save_original_input = self.save_original_input
-        opts.weight_cache = mode
-        if call.weight_cache is not None:
-            (opts.weight_cache_rowwise, opts.weight_cache_columnwise,
-             opts.weight_cache_scale_inv) = call.weight_cache
 
-    def _wgrad_options(self, call, weight, is_first_microbatch) -> None:
-        if not (self.fuse_wgrad_accumulation and weight.requires_grad):
-            return
-        main_grad = getattr(weight, "main_grad", None)
-        if main_grad is None:
-            with torch.inference_mode(False):
-                main_grad = call.main_grad = torch.zeros_like(weight, dtype=torch.float32)
-        call.options.fuse_wgrad_accumulation = True
-        call.options.main_grad = main_grad
-        call.options.main_grad_overwrite = bool(is_first_microbatch)
+_WEIGHT_CACHE_NONE, _WEIGHT_CACHE_FILL, _WEIGHT_CACHE_REUSE = (
+    int(_C.WeightCache.NONE), int(_C.WeightCache.FILL), int(_C.WeightCache.REUSE))
 
-    def _schedule_updates(self, is_first_microbatch) -> None:
-        if is_first_microbatch is not False:  # a reused weight cache recorded no new amax
-            _autocast.register_forward(self._fwd_meta)
-
-
-def _new_metas(recipe: DelayedScaling, device):
-    """Fresh (forward, backward) delayed-scaling state: scales 1, histories zero."""
-    fwd_fmt, grad_fmt = recipe.formats
-    return (_autocast.ScalingMeta([fwd_fmt, fwd_fmt], recipe, device),
-            _autocast.ScalingMeta([grad_fmt], recipe, device))
-
+# Buffers that stay float32 whatever the parameters become.
+_FP32_STATE = ("fp8_scale", "fp8_scale_inv", "fp8_amax_history", "_fp8_weight_scale_inv")
 
 # Set in __init__ and fixed after: they decide the parameters' shapes and split.
 _FIXED_AFTER_INIT = frozenset(
     ("in_features", "out_features", "parallel_mode", "tp_group", "sequence_parallel"))
 
 
+@dataclasses.dataclass(frozen=True)
+class _OpArgs:
+    """The plain values of one call of the ops (torch.compile bakes them into the graph)."""
+    scaling: int
+    fwd_format: int
+    grad_format: int
+    epsilon: float
+    weight_cache: int
+    save_original_input: bool
+    parallel_mode: int
+    sequence_parallel: bool
+    group_name: str
+    debug: tuple
+    need_dgrad: bool
+    need_wgrad: bool
+    main_grad_overwrite: bool
+    saves_input: bool  # backward gets the high-precision input
+    records_grad_amax: bool
+
+
 @dataclasses.dataclass
 class _Call:
-    """One forward's C++ options and the state made for them, kept by `Linear._commit` only
-    once the call has succeeded."""
-    options: "_C.LinearOptions"
-    metas: Optional[tuple] = None        # (forward, backward) delayed-scaling state
+    """One forward's op arguments and the state made for it."""
+    args: Optional[_OpArgs]
+    state: Optional[tuple] = None  # (scale, scale_inv, amax_history) under delayed scaling
+    new_state: bool = False
+    scale: Optional[torch.Tensor] = None
+    amax_history: Optional[torch.Tensor] = None
+    replay: Optional[torch.Tensor] = None  # a checkpoint recompute's forward scales
     amax_group: Optional[object] = None
-    weight_cache: Optional[tuple] = None
-    main_grad: Optional[torch.Tensor] = None  # made for this call (the weight had none)
-    cache_args: Optional[tuple] = None  # (frame, device, is_first_microbatch): keep for reuse
+    weight_cache: tuple = (None, None, None)
+    new_cache: bool = False
+    main_grad: Optional[torch.Tensor] = None
+    new_main_grad: Optional[torch.Tensor] = None
+
+
+class _LinearFunction(torch.autograd.Function):
+    """Autograd over the two ops. The state tensors (scale, amax history, main_grad) travel on
+    ctx, not through save_for_backward: backward must see them as they are then (updated at
+    the block's exit), not refuse them for having changed."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, scale, amax_history, replay, cache_rowwise,
+                cache_columnwise, cache_scale_inv, main_grad, a: _OpArgs):
+        y, x_fp8, x_scale_inv, w_fp8, w_scale_inv = torch.ops.tpfp8.linear_forward(
+            x, weight, bias, scale if replay is None else replay,
+            amax_history if replay is None else None, cache_rowwise, cache_columnwise,
+            cache_scale_inv, main_grad, a.scaling, a.fwd_format, a.grad_format, a.epsilon,
+            a.weight_cache, a.save_original_input, a.parallel_mode, a.sequence_parallel,
+            a.group_name, list(a.debug), a.need_dgrad, a.need_wgrad)
+        if a.weight_cache != _WEIGHT_CACHE_NONE:  # the cache is backward's FP8 weight
+            w_fp8, w_scale_inv = cache_columnwise, cache_scale_inv
+        ctx.save_for_backward(x if a.saves_input else None, x_fp8, x_scale_inv, weight, w_fp8,
+                              w_scale_inv)
+        ctx.state = (scale, amax_history if a.records_grad_amax else None, main_grad)
+        ctx.args, ctx.x_shape, ctx.x_dtype = a, x.shape, x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, x_fp8, x_scale_inv, weight, w_fp8, w_scale_inv = ctx.saved_tensors
+        scale, amax_history, main_grad = ctx.state
+        a = ctx.args
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        if torch.is_grad_enabled():  # create_graph=True: a gradient of gradients
+            return _differentiable_backward(ctx, dy, x, weight)
+        dx, dw, db = torch.ops.tpfp8.linear_backward(
+            dy, x, x_fp8, x_scale_inv, weight, w_fp8, w_scale_inv, scale, amax_history,
+            main_grad, a.main_grad_overwrite, a.scaling, a.fwd_format, a.grad_format,
+            a.epsilon, a.save_original_input, a.parallel_mode, a.sequence_parallel,
+            a.group_name, list(a.debug), ctx.x_shape, ctx.x_dtype,
+            ctx.bias_dtype if need_db else None, need_dx, need_dw or main_grad is not None)
+        return (dx if need_dx else None, dw if need_dw and main_grad is None else None,
+                db if need_db else None) + (None,) * 8
+
+
+def _moved(fn, t: torch.Tensor) -> torch.Tensor:
+    """`t` after a module's `_apply(fn)`, moved but never converted to another dtype."""
+    moved = fn(t)
+    return moved if moved.dtype == t.dtype else t.to(moved.device)
+
+
+def _refuse_under_compile(message: str) -> None:
+    if torch.compiler.is_compiling():
+        raise RuntimeError(message)
+
+
+def _differentiable_backward(ctx, dy, x, weight):
+    """The backward as differentiable torch ops, for gradients of gradients (a gradient
+    penalty): high precision on one device only -- an FP8 cast has no useful derivative, and
+    the collectives are not differentiable -- and a clear error otherwise, never a silently
+    detached dx."""
+    a = ctx.args
+    main_grad = ctx.state[2]
+    if a.scaling or a.parallel_mode or main_grad is not None:
+        used = ("FP8" if a.scaling else "tensor parallelism" if a.parallel_mode
+                else "fuse_wgrad_accumulation")
+        raise RuntimeError(
+            f"tpfp8.Linear supports double backward (create_graph=True) only in high precision "
+            f"on one device without fuse_wgrad_accumulation; this call used {used}. Run the "
+            f"layer outside fp8_autocast (and unsplit) for a gradient penalty")
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    dy2 = dy.reshape(-1, weight.shape[0])
+    dx = dy2.mm(weight).to(ctx.x_dtype).reshape(ctx.x_shape) if need_dx else None
+    dw = (dy2.t().mm(x.reshape(-1, weight.shape[1])).to(weight.dtype) if need_dw else None)
+    db = dy2.sum(0).to(ctx.bias_dtype) if need_db else None
+    return (dx, dw, db) + (None,) * 8
 
 
 def swap_linear(model: nn.Module,
@@ -485,6 +537,7 @@ def swap_linear(model: nn.Module,
                      device="meta", name=name)
         new.weight = lin.weight
         new.bias = lin.bias
+        new._reset_fp8_state()  # on the weight's device
         return new
 
     if type(model) is nn.Linear:

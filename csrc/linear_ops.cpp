@@ -1,0 +1,107 @@
+// The Linear's forward and backward as schema-first ops, torch.ops.tpfp8.linear_forward /
+// linear_backward: tensors (the layer's FP8 state and caches among them, mutated in place as
+// the schemas declare) and plain values only, so torch.compile traces a call as one node.
+// The tensor-parallel group travels by name, as torch's functional collectives pass it.
+#include <torch/library.h>
+
+#include "linear.h"
+
+namespace tpfp8 {
+namespace {
+
+at::Tensor or_nothing(const at::Tensor& t, const at::Tensor& like) {
+  return t.defined() ? t : at::empty({0}, like.options());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_op(
+    const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, const OptTensor& scale,
+    const OptTensor& amax_history, const OptTensor& cache_rowwise,
+    const OptTensor& cache_columnwise, const OptTensor& cache_scale_inv,
+    const OptTensor& main_grad, int64_t scaling, int64_t fwd_format, int64_t grad_format,
+    double epsilon, int64_t weight_cache, bool save_original_input, int64_t parallel_mode,
+    bool sequence_parallel, c10::string_view group_name, at::IntArrayRef debug, bool need_dgrad,
+    bool need_wgrad) {
+  // Every check runs before any state (amax history, caches) is touched.
+  const ForwardCall call = checked_forward_call(
+      x, weight, bias, scale, amax_history, cache_rowwise, cache_columnwise, cache_scale_inv,
+      main_grad, scaling, fwd_format, grad_format, epsilon, weight_cache, save_original_input,
+      parallel_mode, sequence_parallel, std::string(group_name), debug);
+  ForwardResult r =
+      linear_forward(x, weight, bias, call.c, call.state, call.cache, need_dgrad, need_wgrad);
+  return {r.y, r.x_fp8, r.x_scale_inv, r.w_fp8, r.w_scale_inv};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_op(
+    const at::Tensor& dy, const OptTensor& x, const at::Tensor& x_fp8,
+    const at::Tensor& x_scale_inv, const at::Tensor& weight, const at::Tensor& w_fp8,
+    const at::Tensor& w_scale_inv, const OptTensor& scale, const OptTensor& amax_history,
+    const OptTensor& main_grad, bool main_grad_overwrite, int64_t scaling, int64_t fwd_format,
+    int64_t grad_format, double epsilon, bool save_original_input, int64_t parallel_mode,
+    bool sequence_parallel, c10::string_view group_name, at::IntArrayRef debug,
+    c10::SymIntArrayRef x_shape, at::ScalarType x_dtype, std::optional<at::ScalarType> bias_dtype,
+    bool need_dgrad, bool need_wgrad) {
+  const LinearConfig c = linear_config(scaling, fwd_format, grad_format, epsilon, 0,
+                                       save_original_input, parallel_mode, sequence_parallel,
+                                       std::string(group_name), debug);
+  const DelayedState state{scale.value_or(at::Tensor()), amax_history.value_or(at::Tensor())};
+  const SavedForBackward saved{x,           x_fp8,
+                               x_scale_inv, w_fp8,
+                               w_scale_inv, C10_AS_INTARRAYREF_SLOW(x_shape).vec(),
+                               x_dtype};
+  const Grads g = linear_backward(dy, saved, weight, c, state, main_grad, main_grad_overwrite,
+                                  need_dgrad, need_wgrad, bias_dtype);
+  return {or_nothing(g.dx, dy), or_nothing(g.dw, dy), or_nothing(g.db, dy)};
+}
+
+}  // namespace
+
+ForwardCall checked_forward_call(const at::Tensor& x, const at::Tensor& weight,
+                                 const OptTensor& bias, const OptTensor& scale,
+                                 const OptTensor& amax_history, const OptTensor& cache_rowwise,
+                                 const OptTensor& cache_columnwise,
+                                 const OptTensor& cache_scale_inv, const OptTensor& main_grad,
+                                 int64_t scaling, int64_t fwd_format, int64_t grad_format,
+                                 double epsilon, int64_t weight_cache, bool save_original_input,
+                                 int64_t parallel_mode, bool sequence_parallel,
+                                 const std::string& group_name, at::IntArrayRef debug) {
+  ForwardCall call{linear_config(scaling, fwd_format, grad_format, epsilon, weight_cache,
+                                 save_original_input, parallel_mode, sequence_parallel,
+                                 group_name, debug),
+                   {scale.value_or(at::Tensor()), amax_history.value_or(at::Tensor())},
+                   {cache_rowwise.value_or(at::Tensor()), cache_columnwise.value_or(at::Tensor()),
+                    cache_scale_inv.value_or(at::Tensor())}};
+  check_inputs(x, weight, bias, call.c, call.state, call.cache, main_grad);
+  return call;
+}
+
+TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
+  m.def(
+      "linear_forward(Tensor x, Tensor weight, Tensor? bias, Tensor? scale, "
+      "Tensor(a!)? amax_history, Tensor(b!)? weight_cache_rowwise, "
+      "Tensor(c!)? weight_cache_columnwise, Tensor(d!)? weight_cache_scale_inv, "
+      "Tensor? main_grad, int scaling, int fwd_format, int grad_format, float epsilon, "
+      "int weight_cache, bool save_original_input, int parallel_mode, bool sequence_parallel, "
+      "str group_name, int[] debug, bool need_dgrad, bool need_wgrad) "
+      "-> (Tensor y, Tensor x_fp8, Tensor x_scale_inv, Tensor w_fp8, Tensor w_scale_inv)");
+  m.def(
+      "linear_backward(Tensor dy, Tensor? x, Tensor x_fp8, Tensor x_scale_inv, Tensor weight, "
+      "Tensor w_fp8, Tensor w_scale_inv, Tensor? scale, Tensor(a!)? amax_history, "
+      "Tensor(b!)? main_grad, bool main_grad_overwrite, int scaling, int fwd_format, "
+      "int grad_format, float epsilon, bool save_original_input, int parallel_mode, "
+      "bool sequence_parallel, str group_name, int[] debug, SymInt[] x_shape, "
+      "ScalarType x_dtype, ScalarType? bias_dtype, bool need_dgrad, bool need_wgrad) "
+      "-> (Tensor dx, Tensor dw, Tensor db)");
+}
+
+TORCH_LIBRARY_IMPL(tpfp8, CPU, m) {
+  m.impl("linear_forward", &forward_op);
+  m.impl("linear_backward", &backward_op);
+}
+#if defined(TPFP8_WITH_CUDA)
+TORCH_LIBRARY_IMPL(tpfp8, CUDA, m) {
+  m.impl("linear_forward", &forward_op);
+  m.impl("linear_backward", &backward_op);
+}
+#endif
+
+}  // namespace tpfp8
