@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Builds tpfp8 on a GPU machine, runs the GPU tests and the benchmarks, writes logs to $OUT.
-#   OUT=/tmp/out bash bench/device_run.sh [gemm|cast|linear|debug|tp|demo|tests|soak|host ...]
+#   OUT=/tmp/out bash bench/device_run.sh [gemm|cast|linear|debug|tp|demo|tests|soak|host|compile ...]
 # (default: all). Each step's wall time goes to the log; JSON/PNG results are packed into
 # $OUT/results.tgz at the end (the device tool returns only a few files).
+# compile (not in the default steps): torchao, for its float8 cases, is not on the GPU machine; a
+# wheel in .whl/ (ignored by git, e.g. torchao-0.17.0-py3-none-any.whl: carry `.whl`) is installed
+# to /tmp/site for that step only.
 # GoogleTest: the GPU machine has no libgtest; copy the sources there first, e.g. from this
 # repository's machine: `cp -r /usr/src/googletest .deps/` (ignored by git; carry `.deps`).
 # On the lent H200 the image's default compiler (/opt/gcc) breaks C++ exceptions thrown from the
@@ -39,6 +42,13 @@ for step in $steps; do
       fi ;;
     soak) python3 bench/soak.py --out "$OUT" 2>&1 | tee -a "$log" | grep -E '^\||soak' ;;
     host) python3 bench/host_time.py 2>&1 | tee -a "$log" ;;
+    compile)
+      pp=$PYTHONPATH
+      if ls .whl/torchao-*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+          --target /tmp/site .whl/torchao-*.whl >> "$log" 2>&1 && pp=/tmp/site:$pp
+      fi
+      PYTHONPATH=$pp python3 bench/compile.py --out "$OUT" 2>&1 | tee -a "$log" | grep -E '^\|' ;;
     demo) python3 -m tpfp8.demo --tp "$(( ngpu >= 2 ? 2 : 1 ))" --out "$OUT/demo" 2>&1 |
             tee -a "$log" | tail -6 ;;
     *) echo "unknown step $step" ;;

@@ -62,10 +62,10 @@ PYBIND11_MODULE(_C, m) {
          const OptTensor& main_grad, int64_t scaling, int64_t fwd_format, int64_t grad_format,
          double epsilon, int64_t weight_cache, bool save_original_input, int64_t parallel_mode,
          bool sequence_parallel, const std::string& group_name, std::vector<int64_t> debug) {
-        checked_forward_call(x, weight, bias, scale, amax_history, cache_rowwise,
-                             cache_columnwise, cache_scale_inv, main_grad, scaling, fwd_format,
-                             grad_format, epsilon, weight_cache, save_original_input,
-                             parallel_mode, sequence_parallel, group_name, debug);
+        checked_forward_call(x, weight, bias, scale, amax_history, cache_rowwise, cache_columnwise,
+                             cache_scale_inv, main_grad, scaling, fwd_format, grad_format, epsilon,
+                             weight_cache, save_original_input, parallel_mode, sequence_parallel,
+                             group_name, debug);
       },
       "Raises ValueError unless linear_forward can run these arguments (its fake kernel's check)");
   m.def(
@@ -73,9 +73,9 @@ PYBIND11_MODULE(_C, m) {
       [](const std::vector<at::Tensor>& histories, const std::vector<at::Tensor>& scales,
          const std::vector<at::Tensor>& scale_invs, const std::vector<double>& fp8_max,
          int64_t margin, bool use_history_max, const std::string& amax_group) {
-        update_delayed(histories, scales, scale_invs, fp8_max, margin, use_history_max,
-                       amax_group.empty() ? ProcessGroupPtr()
-                                          : c10d::resolve_process_group(amax_group));
+        update_delayed(
+            histories, scales, scale_invs, fp8_max, margin, use_history_max,
+            amax_group.empty() ? ProcessGroupPtr() : c10d::resolve_process_group(amax_group));
       },
       py::arg("histories"), py::arg("scales"), py::arg("scale_invs"), py::arg("fp8_max"),
       py::arg("margin"), py::arg("use_history_max"), py::arg("amax_group"),

@@ -70,11 +70,10 @@ QuantizerSpec with_group_amax(QuantizerSpec spec, const ProcessGroupPtr& group) 
   return spec;
 }
 
-
 // The function debug reports go to (set by tpfp8.debug); kept until process exit.
-using DebugLogger = std::function<void(int64_t, const std::string&, const std::string&,
-                                       const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                       int64_t)>;
+using DebugLogger =
+    std::function<void(int64_t, const std::string&, const std::string&, const at::Tensor&,
+                       const at::Tensor&, const at::Tensor&, int64_t)>;
 DebugLogger& debug_logger() {
   static DebugLogger* logger = new DebugLogger();
   return *logger;
@@ -110,12 +109,16 @@ LinearConfig linear_config(int64_t scaling, int64_t fwd_format, int64_t grad_for
                            int64_t weight_cache, bool save_original_input, int64_t parallel_mode,
                            bool sequence_parallel, const std::string& group_name,
                            at::IntArrayRef debug) {
-  TORCH_CHECK_VALUE(scaling >= 0 && scaling <= 2, "scaling must be 0 (none), 1 (delayed) or 2 "
-                    "(current), got ", scaling);
+  TORCH_CHECK_VALUE(scaling >= 0 && scaling <= 2,
+                    "scaling must be 0 (none), 1 (delayed) or 2 "
+                    "(current), got ",
+                    scaling);
   TORCH_CHECK_VALUE(weight_cache >= 0 && weight_cache <= 2, "weight_cache must be 0..2, got ",
                     weight_cache);
-  TORCH_CHECK_VALUE(parallel_mode >= 0 && parallel_mode <= 2, "parallel_mode must be 0 (none), "
-                    "1 (column) or 2 (row), got ", parallel_mode);
+  TORCH_CHECK_VALUE(parallel_mode >= 0 && parallel_mode <= 2,
+                    "parallel_mode must be 0 (none), "
+                    "1 (column) or 2 (row), got ",
+                    parallel_mode);
   LinearConfig c;
   c.scaling = static_cast<Scaling>(scaling);
   c.fwd_format = fp8_format_from(fwd_format);
@@ -140,7 +143,8 @@ QuantizerSpec quantizer(const LinearConfig& c, const DelayedState& state, Role r
   q.epsilon = c.epsilon;
   if (c.scaling == Scaling::kDelayed) {
     q.scale = state.scale.narrow(0, role, 1);
-    if (state.amax_history.defined()) q.amax = state.amax_history.select(0, role).narrow(0, 0, 1);
+    const at::Tensor& history = role == kGrad ? state.grad_amax_history : state.amax_history;
+    if (history.defined()) q.amax = history.select(0, role == kGrad ? 0 : role).narrow(0, 0, 1);
   }
   return q;
 }
@@ -165,9 +169,7 @@ bool saves_hp_input(const LinearConfig& c) {
 // Debugging gathers and quantizes whole tensors: statistics and usages are of what the GEMMs see.
 bool quantizes_after_gather(const LinearConfig& c) { return c.debug.active; }
 // Column-parallel SP in FP8 keeps this rank's row-wise input bytes and re-gathers them.
-bool keeps_local_fp8_input(const LinearConfig& c) {
-  return gathers_input(c) && !saves_hp_input(c);
-}
+bool keeps_local_fp8_input(const LinearConfig& c) { return gathers_input(c) && !saves_hp_input(c); }
 
 at::Tensor nothing(const at::Tensor& like, at::ScalarType dtype) {
   return at::empty({0}, like.options().dtype(dtype));
@@ -180,8 +182,7 @@ at::Tensor nothing(const at::Tensor& like, at::ScalarType dtype) {
 void check_inputs(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
                   const LinearConfig& c, const DelayedState& state, const WeightCacheBuffers& cache,
                   const OptTensor& main_grad) {
-  TORCH_CHECK_VALUE(weight.dim() == 2, "Linear weight must be 2-D [out, in], got ",
-                    weight.sizes());
+  TORCH_CHECK_VALUE(weight.dim() == 2, "Linear weight must be 2-D [out, in], got ", weight.sizes());
   const int64_t n = weight.size(0), k = weight.size(1);
   const bool row = c.parallel_mode == ParallelMode::kRow;
   TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == k, "Linear expects input [..., in_features=", k,
@@ -212,23 +213,22 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, const OptTensor
     TORCH_CHECK_VALUE(c.weight_cache == WeightCache::kNone || cache.rowwise.defined(),
                       "is_first_microbatch=False needs an earlier call with "
                       "is_first_microbatch=True to cache the FP8 weight");
-    TORCH_CHECK_VALUE(c.scaling != Scaling::kDelayed ||
-                          (state.scale.defined() && state.scale.numel() == 3 &&
-                           state.scale.device() == weight.device()),
-                      "delayed scaling needs the layer's scale [3] on the weight's device");
+    TORCH_CHECK_VALUE(
+        c.scaling != Scaling::kDelayed || (state.scale.defined() && state.scale.numel() == 3 &&
+                                           state.scale.device() == weight.device()),
+        "delayed scaling needs the layer's scale [3] on the weight's device");
   } else {
     TORCH_CHECK_VALUE(dtype == weight.scalar_type(), "Linear input is ", dtype,
                       " but the weight is ", weight.scalar_type(),
                       "; convert one of them or use torch.autocast (outside FP8 both must match)");
   }
   if (main_grad) {
-    TORCH_CHECK_VALUE(main_grad->scalar_type() == at::kFloat &&
-                          main_grad->sizes() == weight.sizes() &&
-                          main_grad->device() == weight.device(),
-                      "fuse_wgrad_accumulation needs weight.main_grad as float32 ", weight.sizes(),
-                      " on the weight's device ", weight.device(), ", got ",
-                      main_grad->scalar_type(), " ", main_grad->sizes(), " on ",
-                      main_grad->device());
+    TORCH_CHECK_VALUE(
+        main_grad->scalar_type() == at::kFloat && main_grad->sizes() == weight.sizes() &&
+            main_grad->device() == weight.device(),
+        "fuse_wgrad_accumulation needs weight.main_grad as float32 ", weight.sizes(),
+        " on the weight's device ", weight.device(), ", got ", main_grad->scalar_type(), " ",
+        main_grad->sizes(), " on ", main_grad->device());
   }
   if (row && c.sequence_parallel) {
     const int64_t tp = c.tp_group->getSize();
@@ -442,8 +442,9 @@ Grads linear_backward(const at::Tensor& dy_in, const SavedForBackward& s, const 
     const auto [dy_op, w_op] =
         operands("dgrad", {"gradient", &g, false, d.fake_gradient},
                  {"weight", &w, true, d.fake_weight}, c.fp8(), d.hp_dgrad, d, s.x_dtype);
-    out.dx = run_gemm(dy_op, w_op, at::empty({dy_op.data.size(0), k}, dy.options().dtype(s.x_dtype)),
-                      std::nullopt, false);
+    out.dx =
+        run_gemm(dy_op, w_op, at::empty({dy_op.data.size(0), k}, dy.options().dtype(s.x_dtype)),
+                 std::nullopt, false);
     if (c.parallel_mode == ParallelMode::kColumn && c.sequence_parallel) {
       out.dx = reduce_scatter_rows(out.dx, *c.tp_group, &dx_work);
     } else if (c.parallel_mode == ParallelMode::kColumn) {

@@ -62,10 +62,10 @@ struct DebugOptions {
 DebugOptions debug_options(at::IntArrayRef packed);
 // The Python function debug reports go to: logger(handle, gemm, tensor, used, original,
 // scale_inv, format).
-void set_debug_logger(std::function<void(int64_t, const std::string&, const std::string&,
-                                         const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         int64_t)>
-                          logger);
+void set_debug_logger(
+    std::function<void(int64_t, const std::string&, const std::string&, const at::Tensor&,
+                       const at::Tensor&, const at::Tensor&, int64_t)>
+        logger);
 
 // A layer's settings for one call: fixed by the module's configuration and the recipe in force.
 struct LinearConfig {
@@ -86,11 +86,14 @@ LinearConfig linear_config(int64_t scaling, int64_t fwd_format, int64_t grad_for
                            bool sequence_parallel, const std::string& group_name,
                            at::IntArrayRef debug);
 
-// Delayed-scaling state of a layer (undefined otherwise): scale [3] and amax_history [3, H]
-// (tensor-major, newest first) of the input, the weight and the output gradient. Casts fold
-// their amax into row 0 unless amax_history is undefined (a checkpoint's recompute).
+// Delayed-scaling state of a layer (undefined otherwise): scale [3] of the input, the weight and
+// the output gradient; amax histories (tensor-major, newest first) of the input and weight
+// [2, H], written by forward, and of the gradient [1, H], written by backward -- two tensors,
+// so that each is written in one direction only (a compiled graph writes a mutated input
+// back when its direction ends). Casts fold their amax into row 0 unless the history is
+// undefined (a checkpoint's recompute).
 struct DelayedState {
-  at::Tensor scale, amax_history;
+  at::Tensor scale, amax_history, grad_amax_history;
 };
 enum Role : int64_t { kInput = 0, kWeight = 1, kGrad = 2 };
 

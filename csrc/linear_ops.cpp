@@ -16,11 +16,10 @@ at::Tensor or_nothing(const at::Tensor& t, const at::Tensor& like) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_op(
     const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, const OptTensor& scale,
     const OptTensor& amax_history, const OptTensor& cache_rowwise,
-    const OptTensor& cache_columnwise, const OptTensor& cache_scale_inv,
-    const OptTensor& main_grad, int64_t scaling, int64_t fwd_format, int64_t grad_format,
-    double epsilon, int64_t weight_cache, bool save_original_input, int64_t parallel_mode,
-    bool sequence_parallel, c10::string_view group_name, at::IntArrayRef debug, bool need_dgrad,
-    bool need_wgrad) {
+    const OptTensor& cache_columnwise, const OptTensor& cache_scale_inv, const OptTensor& main_grad,
+    int64_t scaling, int64_t fwd_format, int64_t grad_format, double epsilon, int64_t weight_cache,
+    bool save_original_input, int64_t parallel_mode, bool sequence_parallel,
+    c10::string_view group_name, at::IntArrayRef debug, bool need_dgrad, bool need_wgrad) {
   // Every check runs before any state (amax history, caches) is touched.
   const ForwardCall call = checked_forward_call(
       x, weight, bias, scale, amax_history, cache_rowwise, cache_columnwise, cache_scale_inv,
@@ -34,20 +33,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_o
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_op(
     const at::Tensor& dy, const OptTensor& x, const at::Tensor& x_fp8,
     const at::Tensor& x_scale_inv, const at::Tensor& weight, const at::Tensor& w_fp8,
-    const at::Tensor& w_scale_inv, const OptTensor& scale, const OptTensor& amax_history,
+    const at::Tensor& w_scale_inv, const OptTensor& scale, const OptTensor& grad_amax_history,
     const OptTensor& main_grad, bool main_grad_overwrite, int64_t scaling, int64_t fwd_format,
     int64_t grad_format, double epsilon, bool save_original_input, int64_t parallel_mode,
     bool sequence_parallel, c10::string_view group_name, at::IntArrayRef debug,
     c10::SymIntArrayRef x_shape, at::ScalarType x_dtype, std::optional<at::ScalarType> bias_dtype,
     bool need_dgrad, bool need_wgrad) {
-  const LinearConfig c = linear_config(scaling, fwd_format, grad_format, epsilon, 0,
-                                       save_original_input, parallel_mode, sequence_parallel,
-                                       std::string(group_name), debug);
-  const DelayedState state{scale.value_or(at::Tensor()), amax_history.value_or(at::Tensor())};
-  const SavedForBackward saved{x,           x_fp8,
-                               x_scale_inv, w_fp8,
-                               w_scale_inv, C10_AS_INTARRAYREF_SLOW(x_shape).vec(),
-                               x_dtype};
+  const LinearConfig c =
+      linear_config(scaling, fwd_format, grad_format, epsilon, 0, save_original_input,
+                    parallel_mode, sequence_parallel, std::string(group_name), debug);
+  const DelayedState state{
+      scale.value_or(at::Tensor()), {}, grad_amax_history.value_or(at::Tensor())};
+  const SavedForBackward saved{
+      x, x_fp8, x_scale_inv, w_fp8, w_scale_inv, C10_AS_INTARRAYREF_SLOW(x_shape).vec(), x_dtype};
   const Grads g = linear_backward(dy, saved, weight, c, state, main_grad, main_grad_overwrite,
                                   need_dgrad, need_wgrad, bias_dtype);
   return {or_nothing(g.dx, dy), or_nothing(g.dw, dy), or_nothing(g.db, dy)};
@@ -64,12 +62,12 @@ ForwardCall checked_forward_call(const at::Tensor& x, const at::Tensor& weight,
                                  double epsilon, int64_t weight_cache, bool save_original_input,
                                  int64_t parallel_mode, bool sequence_parallel,
                                  const std::string& group_name, at::IntArrayRef debug) {
-  ForwardCall call{linear_config(scaling, fwd_format, grad_format, epsilon, weight_cache,
-                                 save_original_input, parallel_mode, sequence_parallel,
-                                 group_name, debug),
-                   {scale.value_or(at::Tensor()), amax_history.value_or(at::Tensor())},
-                   {cache_rowwise.value_or(at::Tensor()), cache_columnwise.value_or(at::Tensor()),
-                    cache_scale_inv.value_or(at::Tensor())}};
+  ForwardCall call{
+      linear_config(scaling, fwd_format, grad_format, epsilon, weight_cache, save_original_input,
+                    parallel_mode, sequence_parallel, group_name, debug),
+      {scale.value_or(at::Tensor()), amax_history.value_or(at::Tensor()), {}},
+      {cache_rowwise.value_or(at::Tensor()), cache_columnwise.value_or(at::Tensor()),
+       cache_scale_inv.value_or(at::Tensor())}};
   check_inputs(x, weight, bias, call.c, call.state, call.cache, main_grad);
   return call;
 }
@@ -85,7 +83,7 @@ TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
       "-> (Tensor y, Tensor x_fp8, Tensor x_scale_inv, Tensor w_fp8, Tensor w_scale_inv)");
   m.def(
       "linear_backward(Tensor dy, Tensor? x, Tensor x_fp8, Tensor x_scale_inv, Tensor weight, "
-      "Tensor w_fp8, Tensor w_scale_inv, Tensor? scale, Tensor(a!)? amax_history, "
+      "Tensor w_fp8, Tensor w_scale_inv, Tensor? scale, Tensor(a!)? grad_amax_history, "
       "Tensor(b!)? main_grad, bool main_grad_overwrite, int scaling, int fwd_format, "
       "int grad_format, float epsilon, bool save_original_input, int parallel_mode, "
       "bool sequence_parallel, str group_name, int[] debug, SymInt[] x_shape, "

@@ -59,15 +59,15 @@ def linear_samples(device, x, f32, u8, g):
     x_codes = torch.randint(0, 126, (64, 32), generator=g, dtype=torch.uint8).to(device)
     dy = torch.randn(32, 48, generator=g).bfloat16().to(device)
 
-    def state():
-        return f32(1.0, 2.0, 4.0), torch.zeros(3, 8, device=device)
+    def state(rows):
+        return f32(1.0, 2.0, 4.0), torch.zeros(rows, 8, device=device)
 
     def config(scaling, cache=0, debug=()):
         return (scaling, 0, 1, 0.0, cache, False, 0, False, "", list(debug))
 
     delayed, current = 1, 2
     return {
-        "linear_forward delayed": (x, w, bias, *state(), None, None, None, None,
+        "linear_forward delayed": (x, w, bias, *state(2), None, None, None, None,
                                    *config(delayed), True, True),
         "linear_forward current weight cache": (
             x, w, None, None, None, u8(48, 64), u8(64, 48), f32(0.0), None,
@@ -75,7 +75,8 @@ def linear_samples(device, x, f32, u8, g):
         "linear_forward high precision": (x, w.bfloat16(), bias.bfloat16(), None, None, None,
                                           None, None, None, *config(0), True, True),
         "linear_backward main_grad": (
-            dy, None, x_codes, f32(0.5), w, codes, f32(0.25), *state(), torch.zeros(48, 64, device=device), False,
+            dy, None, x_codes, f32(0.5), w, codes, f32(0.25), *state(1),
+            torch.zeros(48, 64, device=device), False,
             *config(delayed)[:4], False, 0, False, "", [], [32, 64], torch.bfloat16,
             torch.float32, True, True),
         "linear_backward high precision": (

@@ -30,6 +30,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fp8_oracle import current_scale as cur_scale  # noqa: E402
 from fp8_oracle import fake_quant as fq  # noqa: E402
+from fp8_oracle import pending_scale  # noqa: E402
 
 import tpfp8  # noqa: E402
 from tpfp8 import _C  # noqa: E402
@@ -51,6 +52,17 @@ def fwd_state(lin):
 def bwd_state(lin):
     """The layer's backward (output gradient) delayed-scaling state."""
     return lin.fp8_state["backward"]
+
+
+def pending_grad_scale(layer, fmt):
+    """The gradient scale this step's backward will use: the pending amax (the last
+    backward's; all-reduced over the amax group, under sequence parallelism) rolled in at this
+    step's fp8_autocast exit."""
+    state = dict(bwd_state(layer))
+    if layer.sequence_parallel:
+        history = state["amax_history"] = state["amax_history"].clone()
+        dist.all_reduce(history[0], op=dist.ReduceOp.MAX, group=layer.tp_group)
+    return float(pending_scale(state, fmt))
 
 
 def rel(a, b):
@@ -94,7 +106,7 @@ def emulate(mode, recipe, layer, x, dy, w_full, b_full, high=()):
     if isinstance(recipe, tpfp8.DelayedScaling):  # scales 1 until the first update
         fwd_scales = fwd_state(layer)["scale"].tolist() if layer.fp8_state else [1.0, 1.0]
         sx, sw = (gathered_scalars(v) for v in fwd_scales)
-        sdy = gathered_scalars(bwd_state(layer)["scale"][0] if layer.fp8_state else 1.0)
+        sdy = gathered_scalars(pending_grad_scale(layer, grad) if layer.fp8_state else 1.0)
     else:
         sx = gathered_scalars(cur_scale(x_parts[r], fwd))
         sw = gathered_scalars(cur_scale(w_parts[r], fwd))
@@ -505,6 +517,53 @@ def check_sharded_records_identical(group):
     assert (w["scale_inv"] > w["scale_inv_min"]) == several, "per-rank scales not reported"
 
 
+class _ParallelMLP(torch.nn.Module):
+    """Column-parallel fc1 -> GELU -> row-parallel fc2, sequence parallel: Megatron's MLP."""
+
+    def __init__(self, group):
+        super().__init__()
+        kw = {"tp_group": group, "sequence_parallel": True, "device": DEVICE}
+        self.fc1 = tpfp8.Linear(K, N, parallel_mode="column", **kw)
+        self.fc2 = tpfp8.Linear(N, K, parallel_mode="row", **kw)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+def check_compiled_matches_eager(group):
+    """torch.compile(fullgraph=True) of a sequence-parallel MLP traces with no graph break
+    (the group travels by name) and equals eager bit for bit, state included, both recipes."""
+    global checks
+    tp, r = dist.get_world_size(), dist.get_rank()
+    for recipe in (tpfp8.DelayedScaling(), tpfp8.CurrentScaling()):
+        torch.manual_seed(31)
+        eager = _ParallelMLP(group)
+        compiled_model = copy.deepcopy(eager)
+        x = torch.randn(S, B, K, device=DEVICE).chunk(tp)[r].contiguous()
+        with tpfp8.fp8_autocast(recipe=recipe):
+            explained = torch._dynamo.explain(copy.deepcopy(eager))(x)
+        checks += 1
+        assert explained.graph_break_count == 0, explained.break_reasons
+        compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
+        for step in range(3):
+            got, want = (_mlp_step(m, x * (step + 1), recipe) for m in (compiled, eager))
+            got += [t for t in compiled_model.buffers()] + [p.grad for p in
+                                                            compiled_model.parameters()]
+            want += [t for t in eager.buffers()] + [p.grad for p in eager.parameters()]
+            checks += 1
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), \
+                f"{_recipe_name(recipe)} step {step}: compiled differs from eager"
+        torch._dynamo.reset()
+
+
+def _mlp_step(model, x, recipe):
+    x = x.clone().requires_grad_(True)
+    with tpfp8.fp8_autocast(recipe=recipe):
+        y = model(x)
+    y.square().sum().backward()
+    return [y.detach(), x.grad]
+
+
 def _recipe_name(recipe) -> str:
     return "high precision" if recipe is None else type(recipe).__name__
 
@@ -514,7 +573,8 @@ def _cases():
     cases = [(fn.__name__.removeprefix("check_"), fn) for fn in (
         check_errors, check_fp8_gather, check_quantize_after_gather, check_debug_seed_case,
         check_debug_disable_fp8_gemm, check_deepcopy, check_checkpoint, check_nan_step,
-        check_sharded_records_identical, check_double_backward_refused)]
+        check_sharded_records_identical, check_double_backward_refused,
+        check_compiled_matches_eager)]
     recipes = [None, tpfp8.DelayedScaling(amax_history_len=4), tpfp8.CurrentScaling()]
     for mode, sp, recipe, save_orig, bias in itertools.product(
             ("column", "row"), (False, True), recipes, (False, True), (True, False)):

@@ -72,13 +72,13 @@ def _linear_forward(x, weight, bias, scale, amax_history, cache_rowwise, cache_c
 
 
 @torch.library.register_fake("tpfp8::linear_backward")
-def _linear_backward(dy, x, x_fp8, x_scale_inv, weight, w_fp8, w_scale_inv, scale, amax_history,
-                     main_grad, main_grad_overwrite, scaling, fwd_format, grad_format, epsilon,
-                     save_original_input, parallel_mode, sequence_parallel, group_name, debug,
-                     x_shape, x_dtype, bias_dtype, need_dgrad, need_wgrad):
-    nothing = dy.new_empty(0)
-    dx = dy.new_empty(x_shape, dtype=x_dtype) if need_dgrad else nothing
-    dw = weight.new_empty(weight.shape) if need_wgrad and main_grad is None else dy.new_empty(0)
-    db = dy.new_empty(weight.shape[0], dtype=bias_dtype) if bias_dtype is not None else \
-        dy.new_empty(0)
+def _linear_backward(dy, x, x_fp8, x_scale_inv, weight, w_fp8, w_scale_inv, scale,
+                     grad_amax_history, main_grad, main_grad_overwrite, scaling, fwd_format,
+                     grad_format, epsilon, save_original_input, parallel_mode, sequence_parallel,
+                     group_name, debug, x_shape, x_dtype, bias_dtype, need_dgrad, need_wgrad):
+    def nothing():  # (a placeholder for a gradient not asked for)
+        return dy.new_empty(0)
+    dx = dy.new_empty(x_shape, dtype=x_dtype) if need_dgrad else nothing()
+    dw = weight.new_empty(weight.shape) if need_wgrad and main_grad is None else nothing()
+    db = dy.new_empty(weight.shape[0], dtype=bias_dtype) if bias_dtype is not None else nothing()
     return dx, dw, db

@@ -26,11 +26,13 @@ whole tensor and are the same on every rank (``scale_inv`` is the largest of the
 that round above the format's max, not those within rounding of it. A layer with no matching
 rule at a step runs exactly the normal path.
 """
+import itertools
 import json
 import logging
 import math
 import os
 import re
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -67,8 +69,11 @@ class _State:
     step = 0
     log_dir = None
     records = []
-    matching = {}
-    loggers = {}  # handle -> the report function of a layer (its latest debugged call)  # layer name -> matching rules at the current step (a step's regex searches)
+    matching = {}  # layer name -> matching rules at the current step (a step's regex searches)
+
+
+_layers = weakref.WeakValueDictionary()  # handle -> layer (Linear.__init__ registers each)
+_handles = itertools.count()
 
 
 def _names(value, allowed, what, where):
@@ -133,7 +138,7 @@ def initialize(config, log_dir: Optional[str] = None) -> None:
         raise ValueError("a debug config is a list of rules, or a dict with 'rules': [...]")
     _State.rules = [_parse_rule(r, i) for i, r in enumerate(rules)]
     _State.step, _State.log_dir, _State.records = 0, log_dir, []
-    _State.matching, _State.loggers = {}, {}
+    _State.matching = {}
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
 
@@ -147,7 +152,6 @@ def step() -> None:
 def shutdown() -> None:
     """Deactivates debugging; layers run the normal path again."""
     _State.rules = None
-    _State.loggers = {}
 
 
 def records() -> list:
@@ -155,35 +159,48 @@ def records() -> list:
     return list(_State.records)
 
 
-def options_for(layer) -> Optional[tuple]:
-    """The debug options of `layer` at the current step as the ops take them -- (hp_fprop,
-    hp_dgrad, hp_wgrad, fake activation, fake weight, fake gradient format or -1, logger
-    handle or -1) -- or None when no rule applies."""
-    if not _State.rules:
-        return None
+def register(layer) -> int:
+    """A handle for `layer`, by which the ops' reports find it (weakly held)."""
+    handle = next(_handles)
+    _layers[handle] = layer
+    return handle
+
+
+def _rules_for(layer) -> list:
     rules = _State.matching.get(layer.name)
     if rules is None:  # once per layer name and step: later calls cost one dict lookup
         rules = [r for r in _State.rules if r.applies(layer.name, _State.step)]
         _State.matching[layer.name] = rules
+    return rules
+
+
+def options_for(layer) -> Optional[tuple]:
+    """The debug options of `layer` at the current step as the ops take them -- (hp_fprop,
+    hp_dgrad, hp_wgrad, fake activation, fake weight, fake gradient format or -1, the layer's
+    handle when it logs, else -1) -- or None when no rule applies."""
+    if not _State.rules:
+        return None
+    rules = _rules_for(layer)
     if not rules:
         return None
     hp = set().union(*(r.high_precision for r in rules))
     fake = {}
     for r in rules:
         fake.update(r.fake)
-    wanted = set().union(*(r.log for r in rules))
-    handle = -1
-    if wanted:  # the op reports to _report with this handle, from forward and backward
-        handle = id(layer)
-        _State.loggers[handle] = _logger(layer, wanted, _State.step)
+    logs = any(r.log for r in rules)
     return (int("fprop" in hp), int("dgrad" in hp), int("wgrad" in hp),
-            *(int(fake[t]) if t in fake else -1 for t in TENSORS), handle)
+            *(int(fake[t]) if t in fake else -1 for t in TENSORS),
+            layer._debug_handle if logs else -1)
 
 
 def _report(handle, gemm, tensor, used, original, scale_inv, fmt) -> None:
-    log = _State.loggers.get(handle)
-    if log is not None:
-        log(gemm, tensor, used, original, scale_inv, fmt)
+    """What the ops call for each operand of a logging layer's GEMMs (forward and backward):
+    the rules are read here, when the GEMM runs, so a compiled graph reports like eager."""
+    layer = _layers.get(handle)
+    if layer is None or not _State.rules:
+        return
+    if (tensor, gemm) in set().union(*(r.log for r in _rules_for(layer))):
+        _log(layer, gemm, tensor, used, original, scale_inv, fmt)
 
 
 def _sharded(layer, tensor: str) -> bool:
@@ -193,20 +210,15 @@ def _sharded(layer, tensor: str) -> bool:
         ("row", "activation"), ("column", "gradient"))
 
 
-def _logger(layer, wanted, step_no):
-    def log(gemm, tensor, used, original, scale_inv, fmt):
-        if (tensor, gemm) not in wanted:
-            return
-        group = layer.tp_group if _sharded(layer, tensor) else None
-        stats = _statistics(used, original, scale_inv, fmt, group)
-        shape = list(used.shape)
-        if group is not None:  # the whole tensor's shape: the split dimension times the group
-            split = 0 if (tensor == "weight" and layer.parallel_mode == "column") else 1
-            shape[split] *= dist.get_world_size(group)
-        record = {"step": step_no, "layer": layer.name, "gemm": gemm, "tensor": tensor,
-                  "shape": shape, **stats}
-        _write(record)
-    return log
+def _log(layer, gemm, tensor, used, original, scale_inv, fmt) -> None:
+    group = layer.tp_group if _sharded(layer, tensor) else None
+    stats = _statistics(used, original, scale_inv, fmt, group)
+    shape = list(used.shape)
+    if group is not None:  # the whole tensor's shape: the split dimension times the group
+        split = 0 if (tensor == "weight" and layer.parallel_mode == "column") else 1
+        shape[split] *= dist.get_world_size(group)
+    _write({"step": _State.step, "layer": layer.name, "gemm": gemm, "tensor": tensor,
+            "shape": shape, **stats})
 
 
 def _statistics(used, original, scale_inv, fmt, group) -> dict:

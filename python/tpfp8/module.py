@@ -83,12 +83,13 @@ class Linear(nn.Module):
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.return_bias = return_bias
         self.name = name
+        self._debug_handle = _debug.register(self)
         self._group_name = tp_group.group_name if parallel_mode else ""
         # Delayed-scaling state (input, weight, output gradient): made with the parameters
         # (reset_parameters), so that a compiled model's first step finds it as a buffer; the
         # recipe it follows (None: no delayed-scaling step yet) and the group its amaxes were
         # last reduced over.
-        for name in ("fp8_scale", "fp8_scale_inv", "fp8_amax_history"):
+        for name in _STATE:
             self.register_buffer(name, None, persistent=False)  # checkpointed as extra state
         self._fp8_recipe, self._fp8_amax_group = None, None
         # The cached FP8 weight (is_first_microbatch), made by the first call that fills it.
@@ -173,11 +174,12 @@ class Linear(nn.Module):
         "scale_inv": [2], "amax_history": [history_len, 2]}`` (input, weight), ``"backward":
         {... [1] ...}`` (the output gradient), ``"recipe"``: the DelayedScaling it follows,
         ``"amax_group"``: the group its amaxes were last reduced over (or None)}. Row 0 of a
-        history is the running step's amax. The module's buffers ``fp8_scale``,
-        ``fp8_scale_inv`` [3] and ``fp8_amax_history`` [3, history_len] hold all three."""
+        history is the running step's amax. The module's buffers hold them: ``fp8_scale``,
+        ``fp8_scale_inv`` [3], ``fp8_amax_history`` [2, history_len] and
+        ``fp8_grad_amax_history`` [1, history_len]."""
         if self._fp8_recipe is None:
             return None
-        state = _scaling.split(self.fp8_scale, self.fp8_scale_inv, self.fp8_amax_history)
+        state = _scaling.split(*self._state())
         return {**state, "recipe": self._fp8_recipe, "amax_group": self._fp8_amax_group}
 
     def get_extra_state(self):
@@ -185,7 +187,7 @@ class Linear(nn.Module):
         plain values only, so ``torch.load(..., weights_only=True)`` (its default) reads it."""
         if self._fp8_recipe is None:
             return None
-        state = _scaling.split(self.fp8_scale, self.fp8_scale_inv, self.fp8_amax_history)
+        state = _scaling.split(*self._state())
         return {**state, "recipe": dataclasses.asdict(self._fp8_recipe)}
 
     def set_extra_state(self, state) -> None:
@@ -199,9 +201,8 @@ class Linear(nn.Module):
         if isinstance(recipe, dict):  # (older checkpoints hold the DelayedScaling itself)
             recipe = DelayedScaling(**recipe)
         loaded = _scaling.joined(state, self.weight.device)
-        mine = (self.fp8_scale, self.fp8_scale_inv, self.fp8_amax_history)
-        same = (mine[2] is not None and mine[2].shape == loaded[2].shape
-                and mine[2].device == loaded[2].device)
+        mine = self._state()
+        same = all(a.shape == b.shape and a.device == b.device for a, b in zip(mine, loaded))
         with torch.no_grad():
             if same:
                 for buffer, value in zip(mine, loaded):
@@ -210,8 +211,12 @@ class Linear(nn.Module):
                 self._keep_state(loaded)
         self._fp8_recipe = recipe
 
+    def _state(self) -> tuple:
+        return tuple(getattr(self, name) for name in _STATE)
+
     def _keep_state(self, tensors) -> None:
-        self.fp8_scale, self.fp8_scale_inv, self.fp8_amax_history = tensors
+        for name, t in zip(_STATE, tensors):
+            setattr(self, name, t)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # A plain nn.Linear checkpoint has no _extra_state: accept it.
@@ -224,6 +229,10 @@ class Linear(nn.Module):
         state = super().__getstate__()  # a copy already
         state["_fp8_amax_group"] = None
         return state
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._debug_handle = _debug.register(self)  # a copy reports as itself
 
     def __deepcopy__(self, memo):
         # A copy computes over the same tensor-parallel group: shared, not copied (a
@@ -303,8 +312,9 @@ class Linear(nn.Module):
         if self.return_bias:
             bias_out, bias = bias, None
         call = self._prepare(recipe, frame, x, param, is_first_microbatch)
-        y = _LinearFunction.apply(x, weight, bias, call.scale, call.amax_history, call.replay,
-                                  *call.weight_cache, call.main_grad, call.args)
+        y = _LinearFunction.apply(x, weight, bias, call.scale, call.amax_history,
+                                  call.grad_amax_history, call.replay, *call.weight_cache,
+                                  call.main_grad, call.args)
         if not x.is_meta:
             self._commit(call, param, frame)
         return (y, bias_out) if self.return_bias else y
@@ -316,7 +326,7 @@ class Linear(nn.Module):
         call = _Call(args=None)
         if delayed:
             call.state, call.new_state = self._delayed_state(recipe, x.device)
-            call.scale, _, call.amax_history = call.state
+            call.scale, _, call.amax_history, call.grad_amax_history = call.state
             call.replay = _autocast.replayed_scales(frame, self)
             call.amax_group = _parallel.amax_group_for(self.tp_group, self.sequence_parallel,
                                                        frame["amax_group"])
@@ -346,14 +356,14 @@ class Linear(nn.Module):
         return call
 
     def _delayed_state(self, recipe: DelayedScaling, device):
-        """(scale, scale_inv, amax_history) for `recipe`, and whether they are new: the
+        """The state tensors (`_STATE`) for `recipe`, and whether they are new: the
         module's own buffers, or new tensors made from them (another history length, format or
         device)."""
-        mine = (self.fp8_scale, self.fp8_scale_inv, self.fp8_amax_history)
+        mine = self._state()
         if self._fp8_recipe is recipe and mine[0].device == device:
             return mine, False
         adopted = _scaling.adopted(mine, self._fp8_recipe or recipe, recipe, device)
-        return adopted, adopted is not mine
+        return adopted, any(a is not b for a, b in zip(adopted, mine))
 
     def _weight_cache_for(self, fp8: bool, is_first_microbatch):
         """(mode, (rowwise, columnwise, scale_inv), new): new buffers on a first call."""
@@ -409,7 +419,8 @@ _WEIGHT_CACHE_NONE, _WEIGHT_CACHE_FILL, _WEIGHT_CACHE_REUSE = (
     int(_C.WeightCache.NONE), int(_C.WeightCache.FILL), int(_C.WeightCache.REUSE))
 
 # Buffers that stay float32 whatever the parameters become.
-_FP32_STATE = ("fp8_scale", "fp8_scale_inv", "fp8_amax_history", "_fp8_weight_scale_inv")
+_STATE = ("fp8_scale", "fp8_scale_inv", "fp8_amax_history", "fp8_grad_amax_history")
+_FP32_STATE = _STATE + ("_fp8_weight_scale_inv",)
 
 # Set in __init__ and fixed after: they decide the parameters' shapes and split.
 _FIXED_AFTER_INIT = frozenset(
@@ -440,10 +451,11 @@ class _OpArgs:
 class _Call:
     """One forward's op arguments and the state made for it."""
     args: Optional[_OpArgs]
-    state: Optional[tuple] = None  # (scale, scale_inv, amax_history) under delayed scaling
+    state: Optional[tuple] = None  # the `_STATE` tensors, under delayed scaling
     new_state: bool = False
     scale: Optional[torch.Tensor] = None
     amax_history: Optional[torch.Tensor] = None
+    grad_amax_history: Optional[torch.Tensor] = None
     replay: Optional[torch.Tensor] = None  # a checkpoint recompute's forward scales
     amax_group: Optional[object] = None
     weight_cache: tuple = (None, None, None)
@@ -458,8 +470,8 @@ class _LinearFunction(torch.autograd.Function):
     the block's exit), not refuse them for having changed."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, scale, amax_history, replay, cache_rowwise,
-                cache_columnwise, cache_scale_inv, main_grad, a: _OpArgs):
+    def forward(ctx, x, weight, bias, scale, amax_history, grad_amax_history, replay,
+                cache_rowwise, cache_columnwise, cache_scale_inv, main_grad, a: _OpArgs):
         y, x_fp8, x_scale_inv, w_fp8, w_scale_inv = torch.ops.tpfp8.linear_forward(
             x, weight, bias, scale if replay is None else replay,
             amax_history if replay is None else None, cache_rowwise, cache_columnwise,
@@ -470,7 +482,7 @@ class _LinearFunction(torch.autograd.Function):
             w_fp8, w_scale_inv = cache_columnwise, cache_scale_inv
         ctx.save_for_backward(x if a.saves_input else None, x_fp8, x_scale_inv, weight, w_fp8,
                               w_scale_inv)
-        ctx.state = (scale, amax_history if a.records_grad_amax else None, main_grad)
+        ctx.state = (scale, grad_amax_history if a.records_grad_amax else None, main_grad)
         ctx.args, ctx.x_shape, ctx.x_dtype = a, x.shape, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y
@@ -478,19 +490,19 @@ class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, x_fp8, x_scale_inv, weight, w_fp8, w_scale_inv = ctx.saved_tensors
-        scale, amax_history, main_grad = ctx.state
+        scale, grad_amax_history, main_grad = ctx.state
         a = ctx.args
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         if torch.is_grad_enabled():  # create_graph=True: a gradient of gradients
             return _differentiable_backward(ctx, dy, x, weight)
         dx, dw, db = torch.ops.tpfp8.linear_backward(
-            dy, x, x_fp8, x_scale_inv, weight, w_fp8, w_scale_inv, scale, amax_history,
+            dy, x, x_fp8, x_scale_inv, weight, w_fp8, w_scale_inv, scale, grad_amax_history,
             main_grad, a.main_grad_overwrite, a.scaling, a.fwd_format, a.grad_format,
             a.epsilon, a.save_original_input, a.parallel_mode, a.sequence_parallel,
             a.group_name, list(a.debug), ctx.x_shape, ctx.x_dtype,
             ctx.bias_dtype if need_db else None, need_dx, need_dw or main_grad is not None)
         return (dx if need_dx else None, dw if need_dw and main_grad is None else None,
-                db if need_db else None) + (None,) * 8
+                db if need_db else None) + (None,) * 9
 
 
 def _moved(fn, t: torch.Tensor) -> torch.Tensor:
@@ -523,7 +535,7 @@ def _differentiable_backward(ctx, dy, x, weight):
     dx = dy2.mm(weight).to(ctx.x_dtype).reshape(ctx.x_shape) if need_dx else None
     dw = (dy2.t().mm(x.reshape(-1, weight.shape[1])).to(weight.dtype) if need_dw else None)
     db = dy2.sum(0).to(ctx.bias_dtype) if need_db else None
-    return (dx, dw, db) + (None,) * 8
+    return (dx, dw, db) + (None,) * 9
 
 
 def swap_linear(model: nn.Module,

@@ -17,9 +17,9 @@ def _check_format(fp8_format: str) -> None:
 class DelayedScaling:
     """Scale from the amax history of earlier steps: ``scale = fp8_max * 2**-margin / amax``,
     with amax the max over the last ``amax_history_len`` steps ("max") or the last step
-    ("most_recent"). Casts need no extra pass over the tensor; the history rolls and the
-    scales update once per step (at ``fp8_autocast`` exit for forward tensors, at the end of
-    backward for gradients)."""
+    ("most_recent"). Casts need no extra pass over the tensor; the histories roll and the
+    scales update once per step, at ``fp8_autocast`` exit (a gradient's amax, recorded by
+    backward, at the next step's exit: before the backward that uses the new scale)."""
 
     margin: int = 0
     fp8_format: str = "hybrid"

@@ -1,6 +1,8 @@
-"""A layer's delayed-scaling state as three tensors -- ``scale`` and ``scale_inv`` [3] and
-``amax_history`` [3, history_len] (tensor-major, newest first) of its input, weight and output
-gradient -- and the update that rolls them, once per step, for many layers at a time."""
+"""A layer's delayed-scaling state as four tensors -- ``scale`` and ``scale_inv`` [3] of its
+input, weight and output gradient, the amax history of the input and weight [2, history_len]
+(written by forward) and that of the gradient [1, history_len] (written by backward); tensor-
+major, newest first -- and the update that rolls them, once per step, for many layers at a
+time."""
 from typing import Iterable
 
 import torch
@@ -8,7 +10,7 @@ import torch
 from . import _C
 from .recipe import CurrentScaling, DelayedScaling
 
-ROLES = ("input", "weight", "gradient")
+_FORWARD, _BACKWARD = slice(0, 2), slice(2, 3)  # of scale and scale_inv
 
 
 def recipe_codes(recipe) -> tuple:
@@ -31,8 +33,9 @@ def fresh(recipe: DelayedScaling, device) -> tuple:
     """Scales 1, histories zero. Never inference tensors, so state first made under
     ``torch.inference_mode`` still loads and trains."""
     with torch.inference_mode(False):
+        length = recipe.amax_history_len
         return (torch.ones(3, device=device), torch.ones(3, device=device),
-                torch.zeros(3, recipe.amax_history_len, device=device))
+                torch.zeros(2, length, device=device), torch.zeros(1, length, device=device))
 
 
 def adopted(state: tuple, old: DelayedScaling, recipe: DelayedScaling, device) -> tuple:
@@ -41,45 +44,49 @@ def adopted(state: tuple, old: DelayedScaling, recipe: DelayedScaling, device) -
     ``amax_history_len`` resizes the histories keeping the newest entries (dropping the oldest,
     or padding with zeros, as TransformerEngine does); another format rescales the scales by
     the ratio of the formats' maxima (the scale stays fp8_max / amax)."""
-    scale, scale_inv, history = state
+    scale, scale_inv, *histories = state
     length, ratio = recipe.amax_history_len, None
     if maxima(recipe) != maxima(old):
         ratio = torch.tensor([n / o for n, o in zip(maxima(recipe), maxima(old))])
-    if history.shape[1] == length and ratio is None and scale.device == device:
+    if histories[0].shape[1] == length and ratio is None and scale.device == device:
         return state
     with torch.inference_mode(False):
-        history = history.to(device)
-        if history.shape[1] != length:
-            resized = history.new_zeros(history.shape[0], length)
-            keep = min(length, history.shape[1])
-            resized[:, :keep] = history[:, :keep]
-            history = resized
-        scale, scale_inv = scale.to(device), scale_inv.to(device)
+        histories = [_resized(h.to(device), length) for h in histories]
         if ratio is not None:
-            scale = scale * ratio.to(device)
+            scale = scale.to(device) * ratio.to(device)
             scale_inv = torch.reciprocal(scale)  # as every update computes it
-        if scale is state[0]:  # (a move copies; otherwise keep the module's own untouched)
-            scale, scale_inv = scale.clone(), scale_inv.clone()
-    return scale, scale_inv, history
+        else:  # a copy: the module's own stay untouched until the call succeeds
+            scale, scale_inv = scale.to(device, copy=True), scale_inv.to(device, copy=True)
+    return (scale, scale_inv, *histories)
 
 
-def split(scale, scale_inv, history) -> dict:
+def _resized(history: torch.Tensor, length: int) -> torch.Tensor:
+    if history.shape[1] == length:
+        return history.clone()
+    resized = history.new_zeros(history.shape[0], length)
+    keep = min(length, history.shape[1])
+    resized[:, :keep] = history[:, :keep]
+    return resized
+
+
+def split(scale, scale_inv, history, grad_history) -> dict:
     """The checkpoint / inspection layout: forward (input, weight) and backward (gradient)
     views, histories as [history_len, n]."""
-    def part(rows):
-        return {"scale": scale[rows], "scale_inv": scale_inv[rows],
-                "amax_history": history[rows].t()}
-    return {"forward": part(slice(0, 2)), "backward": part(slice(2, 3))}
+    def part(rows, h):
+        return {"scale": scale[rows], "scale_inv": scale_inv[rows], "amax_history": h.t()}
+    return {"forward": part(_FORWARD, history), "backward": part(_BACKWARD, grad_history)}
 
 
 def joined(state: dict, device) -> tuple:
-    """New (scale, scale_inv, amax_history) from the layout `split` makes."""
+    """New (scale, scale_inv, amax_history, grad_amax_history) from the layout `split`
+    makes."""
     fwd, bwd = state["forward"], state["backward"]
     with torch.inference_mode(False):
-        return tuple(torch.cat([fwd[key].t() if key == "amax_history" else fwd[key],
-                                bwd[key].t() if key == "amax_history" else bwd[key]])
-                     .to(device, torch.float32).contiguous()
-                     for key in ("scale", "scale_inv", "amax_history"))
+        def f32(t):
+            return t.to(device, torch.float32).contiguous()
+        return (f32(torch.cat([fwd["scale"], bwd["scale"]])),
+                f32(torch.cat([fwd["scale_inv"], bwd["scale_inv"]])),
+                f32(fwd["amax_history"].t()), f32(bwd["amax_history"].t()))
 
 
 def update(layers: Iterable) -> None:
@@ -89,14 +96,17 @@ def update(layers: Iterable) -> None:
     amax group calls this with its layers in the same order (the order their forwards ran)."""
     batches = {}
     for layer in layers:
-        history, recipe, group = layer.fp8_amax_history, layer._fp8_recipe, layer._fp8_amax_group
-        if history is None:
-            continue
+        recipe, group = layer._fp8_recipe, layer._fp8_amax_group
+        history = layer.fp8_amax_history
         key = (history.device, history.shape[1], recipe.margin, recipe.amax_compute_algo,
                "" if group is None else group.group_name)
         batches.setdefault(key, []).append(layer)
     for (_, _, margin, algo, group_name), batch in batches.items():
-        _C.update_delayed([m.fp8_amax_history for m in batch], [m.fp8_scale for m in batch],
-                          [m.fp8_scale_inv for m in batch],
-                          [v for m in batch for v in maxima(m._fp8_recipe)], margin,
-                          algo == "max", group_name)
+        histories, scales, scale_invs, fp8_max = [], [], [], []
+        for m in batch:
+            histories += [m.fp8_amax_history, m.fp8_grad_amax_history]
+            scales += [m.fp8_scale[_FORWARD], m.fp8_scale[_BACKWARD]]
+            scale_invs += [m.fp8_scale_inv[_FORWARD], m.fp8_scale_inv[_BACKWARD]]
+            fp8_max += maxima(m._fp8_recipe)
+        _C.update_delayed(histories, scales, scale_invs, fp8_max, margin, algo == "max",
+                          group_name)

@@ -1,0 +1,399 @@
+"""Forward+backward time of an MLP block (fc1 hidden -> 4*hidden, exact erf GELU, fc2 4*hidden
+-> hidden, with biases) under torch.compile: tpfp8 (delayed and current scaling) eager,
+torch.compile(model) and torch.compile(model, mode="reduce-overhead"), beside bf16 nn.Linear
+eager and compiled and torchao's float8 training (tensorwise and rowwise) compiled. Every
+speed-up is against the FASTER of the two bf16 variants at that size.
+
+  python bench/compile.py                               # hidden 1024, 4096, 8192; 8192 tokens
+  python bench/compile.py --hidden 4096 --cases tpfp8,bf16
+  python bench/compile.py --device cpu --hidden 64 --tokens 128 --reps 2   # smoke run
+
+Every model is a copy of one bf16 model (bf16 parameters, as bench/linear.py holds them: fp32
+master weights live in the optimizer; bf16 activations and gradients). The tpfp8 models are
+tpfp8.swap_linear of it, the torchao ones torchao.float8.convert_to_float8_training of it.
+A step is gradients set to None, then forward and backward of one [tokens, hidden] bf16 input
+(requires_grad, so dx is computed as for a block inside a model) against a fixed random output
+gradient. For tpfp8 the step runs inside `with tpfp8.fp8_autocast(recipe=...)`, opened OUTSIDE
+the compiled callable and closed at the end of every step, backward included (its exit makes
+the delayed-scaling update; tpfp8's backward runs in FP8 whether or not it is inside).
+reduce-overhead steps start with torch.compiler.cudagraph_mark_step_begin().
+
+Each case is compiled and warmed up first (--warmup untimed steps: compilation and CUDA-graph
+recording; the first step's wall time is reported), then timed as bench/linear.py times its
+steady state: the mean of --reps back-to-back steps (CUDA events), best of --rounds rounds
+that visit every case in turn. A case that raises anywhere is reported as "failed: <reason>"
+(the traceback goes to stderr) and the run goes on. Also reported per case: graph breaks and
+CUDA-graph skips counted by dynamo/inductor while it compiled (TORCH_LOGS=graph_breaks,
+perf_hints prints their reasons), the relative error of its output against bf16 eager (an FP8
+path shows a few %, a silent fall-back to high precision well under 1 %), and for delayed
+scaling whether the amax histories rolled (the autocast exit's update reached the module).
+"""
+import contextlib
+import copy
+import gc
+import os
+import sys
+import time
+import traceback
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (device_name, make_parser, parse_shapes, print_table,  # noqa: E402
+                    save_json, time_ms)
+
+import tpfp8  # noqa: E402
+
+HIDDEN = [1024, 4096, 8192]
+TOKENS = 8192
+
+# (name, family, variant, compile mode): mode None = eager, "default" = torch.compile(model)
+CASES = [
+    ("bf16 eager", "bf16", None, None),
+    ("bf16 compile", "bf16", None, "default"),
+    ("tpfp8 delayed eager", "tpfp8", "delayed", None),
+    ("tpfp8 delayed compile", "tpfp8", "delayed", "default"),
+    ("tpfp8 delayed compile reduce-overhead", "tpfp8", "delayed", "reduce-overhead"),
+    ("tpfp8 current eager", "tpfp8", "current", None),
+    ("tpfp8 current compile", "tpfp8", "current", "default"),
+    ("tpfp8 current compile reduce-overhead", "tpfp8", "current", "reduce-overhead"),
+    ("torchao tensorwise compile", "torchao", "tensorwise", "default"),
+    ("torchao rowwise compile", "torchao", "rowwise", "default"),
+]
+BF16 = ("bf16 eager", "bf16 compile")
+
+
+class Skip(Exception):
+    """A case that cannot run here (reported as 'skipped: <reason>')."""
+
+
+class MLP(nn.Module):
+    """fc1 -> GELU (exact, erf: nn.functional.gelu's default, as tpfp8.demo's block) -> fc2."""
+
+    def __init__(self, hidden, device):
+        super().__init__()
+        kw = {"device": device, "dtype": torch.bfloat16}
+        self.fc1 = nn.Linear(hidden, 4 * hidden, **kw)
+        self.fc2 = nn.Linear(4 * hidden, hidden, **kw)
+
+    def forward(self, x):
+        return self.fc2(nn.functional.gelu(self.fc1(x)))
+
+
+def short(exc, limit=90):
+    """'Type: first line of the message', cut to `limit` characters."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0] if lines else ''}".strip()
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def torchao_float8():
+    try:
+        import torchao  # noqa: F401
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except Exception as exc:  # ImportError, or a torchao that breaks on this torch
+        if isinstance(exc, ImportError) and getattr(exc, "name", "") in ("torchao", None):
+            raise Skip("torchao not installed")
+        raise Skip(f"torchao import failed ({short(exc, 60)})")
+    return Float8LinearConfig, convert_to_float8_training
+
+
+def torchao_version():
+    try:
+        import torchao
+        return getattr(torchao, "__version__", "?")
+    except Exception:
+        return None
+
+
+def build(case, reference, device):
+    """(model to call, module holding the parameters, recipe or None) for a case."""
+    name, family, variant, mode = case
+    cuda = device.startswith("cuda")
+    if mode == "reduce-overhead" and not cuda:
+        raise Skip("needs CUDA")
+    if family == "torchao" and not cuda:
+        raise Skip("needs CUDA")
+    model = copy.deepcopy(reference)
+    recipe = None
+    if family == "tpfp8":
+        model = tpfp8.swap_linear(model)
+        recipe = tpfp8.DelayedScaling() if variant == "delayed" else tpfp8.CurrentScaling()
+    elif family == "torchao":
+        config_cls, convert = torchao_float8()
+        if variant == "rowwise":
+            if not hasattr(config_cls, "from_recipe_name"):
+                raise Skip("this torchao has no Float8LinearConfig.from_recipe_name")
+            config = config_cls.from_recipe_name("rowwise")
+        else:
+            config = config_cls()  # the default: tensorwise dynamic scaling
+        model = convert(model, config=config)
+    fn = model
+    if mode == "default":
+        fn = torch.compile(model)
+    elif mode == "reduce-overhead":
+        fn = torch.compile(model, mode="reduce-overhead")
+    return fn, model, recipe
+
+
+def make_step(fn, model, recipe, x, dy, mark_step):
+    """One training step of the block; returns the output (for the accuracy check)."""
+    grads_of = [x] + list(model.parameters())
+
+    def run():
+        for t in grads_of:
+            t.grad = None
+        if mark_step:
+            torch.compiler.cudagraph_mark_step_begin()
+        ctx = tpfp8.fp8_autocast(recipe=recipe) if recipe is not None else contextlib.nullcontext()
+        with ctx:  # opened and closed around every whole step, outside the compiled callable
+            y = fn(x)
+            y.backward(dy)
+        return y
+    return run
+
+
+def sync(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def compile_counters():
+    from torch._dynamo.utils import counters
+    breaks = counters["graph_break"]
+    return {"graph_breaks": int(sum(breaks.values())),
+            "graph_break_reasons": [f"{n}x {r[:300]}" for r, n in breaks.most_common(3)],
+            "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
+            "cudagraph_skips": int(counters["inductor"].get("cudagraph_skips", 0))}
+
+
+def scales_updated(model):
+    """For delayed scaling: did the amax histories roll (the autocast exit's update ran)?"""
+    layers = [m for m in model.modules() if isinstance(m, tpfp8.Linear)]
+    if not layers:
+        return "?"
+    try:
+        state = layers[0].fp8_state
+        if state is None:
+            return "no FP8 state"
+        history = state["forward"]["amax_history"]
+        return "yes" if bool((history[1:] != 0).any()) else "NO"
+    except Exception as exc:  # the module's internals may change
+        return f"? ({short(exc, 40)})"
+
+
+def fail(r, name, exc, where):
+    r["status"] = f"failed: {short(exc)}"
+    r["error"] = "".join(traceback.format_exception_only(type(exc), exc)).strip()[:2000]
+    print(f"  {name}: FAILED while {where}: {short(exc, 200)}", file=sys.stderr, flush=True)
+    traceback.print_exc(limit=-8, file=sys.stderr)
+    sys.stderr.flush()
+
+
+def run_size(tokens, hidden, args, cases):
+    device = args.device
+    torch._dynamo.reset()  # each size compiles afresh (and stays under the recompile limit)
+    torch.manual_seed(0)
+    reference = MLP(hidden, device)
+    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+    from torch._dynamo.utils import counters
+
+    results, live = {}, {}
+    for case in cases:
+        name, family, variant, mode = case
+        r = results[name] = {"family": family, "variant": variant,
+                             "mode": mode or "eager", "status": "ok", "ms": None}
+        try:
+            fn, model, recipe = build(case, reference, device)
+        except Skip as exc:
+            r["status"] = f"skipped: {exc}"
+            print(f"  {name}: skipped ({exc})", flush=True)
+            continue
+        except Exception as exc:
+            fail(r, name, exc, "building")
+            continue
+        step = make_step(fn, model, recipe, x, dy, mode == "reduce-overhead")
+        counters.clear()
+        try:
+            sync(device)
+            t0 = time.perf_counter()
+            step()
+            sync(device)
+            r["first_step_s"] = time.perf_counter() - t0
+            for _ in range(max(args.warmup - 1, 0)):
+                step()
+            sync(device)
+            if mode is not None:
+                r.update(compile_counters())
+        except Exception as exc:
+            fail(r, name, exc, "compiling / warming up")
+            del fn, model, step
+            gc.collect()
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            continue
+        extra = "" if mode is None else (f", {r['graph_breaks']} graph breaks, "
+                                         f"{r['cudagraph_skips']} cudagraph skips")
+        print(f"  {name}: first step {r['first_step_s']:.1f} s{extra}", flush=True)
+        live[name] = (step, model)
+
+    # Steady state: best of --rounds rounds, each visiting every live case in turn.
+    for rnd in range(args.rounds):
+        for name, (step, _) in list(live.items()):
+            try:
+                ms = time_ms(step, device, args.reps, warmup=1, pipelined=True)
+            except Exception as exc:
+                fail(results[name], name, exc, f"timing (round {rnd + 1})")
+                del live[name]
+                continue
+            prev = results[name]["ms"]
+            results[name]["ms"] = ms if prev is None else min(prev, ms)
+        print(f"  round {rnd + 1}/{args.rounds} done", flush=True)
+
+    # One more step each: its output against bf16 eager's, and delayed scaling's state.
+    ref_y = None
+    for name in ["bf16 eager"] + [n for n in live if n != "bf16 eager"]:
+        if name not in live:
+            continue
+        step, model = live[name]
+        r = results[name]
+        y = None
+        try:
+            y = step().detach().float()
+            if name == "bf16 eager":
+                ref_y = y.clone()
+            if ref_y is not None:
+                r["rel_err_vs_bf16_eager"] = float((y - ref_y).norm() / ref_y.norm())
+            if r["family"] == "tpfp8" and r["variant"] == "delayed":
+                r["scales_updated"] = scales_updated(model)
+        except Exception as exc:
+            fail(r, name, exc, "checking the output")
+            r["ms"] = None
+        del y
+
+    bf16_ms = {n: results[n]["ms"] for n in BF16 if n in results and results[n]["ms"]}
+    baseline = min(bf16_ms, key=bf16_ms.get) if bf16_ms else None
+    base_ms = bf16_ms[baseline] if baseline else None
+    for r in results.values():
+        r["speedup_vs_faster_bf16"] = (base_ms / r["ms"]) if (base_ms and r["ms"]) else None
+    del live, reference, x, dy, ref_y
+    gc.collect()
+    torch._dynamo.reset()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return {"tokens": tokens, "hidden": hidden, "ffn": 4 * hidden,
+            "baseline": baseline, "baseline_ms": base_ms, "cases": results}
+
+
+def cell(r):
+    if r["status"] != "ok":
+        return r["status"]
+    return f"{r['speedup_vs_faster_bf16']:.2f}x ({r['ms']:.3f} ms)" if r["speedup_vs_faster_bf16"] \
+        else f"{r['ms']:.3f} ms"
+
+
+def save_plot(path, results, names, dev):
+    """Grouped bars: one group per size, one bar per case, speed-up vs the faster bf16."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot written")
+        return
+    labels = [f"{r['tokens']}x{r['hidden']}" for r in results]
+    fig, ax = plt.subplots(figsize=(max(8, 2.8 * len(labels)), 4.5))
+    width = 0.8 / max(len(names), 1)
+    for i, name in enumerate(names):
+        values = [r["cases"][name]["speedup_vs_faster_bf16"] or float("nan") for r in results]
+        ax.bar([x + i * width for x in range(len(labels))], values, width, label=name)
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))], labels, fontsize=8)
+    ax.set_xlabel("tokens x hidden (MLP hidden -> 4*hidden -> hidden)")
+    ax.set_ylabel("speed-up vs faster bf16 (eager / compiled)")
+    ax.set_title(f"MLP block fwd+bwd under torch.compile on {dev}")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def main(argv=None):
+    parser = make_parser(__doc__, "comma-separated TOKENSxHIDDEN list (overrides --tokens and "
+                                  "--hidden)")
+    parser.add_argument("--hidden", default=",".join(map(str, HIDDEN)),
+                        help=f"comma-separated hidden sizes (default {HIDDEN}); FP8 needs "
+                             f"multiples of 16")
+    parser.add_argument("--tokens", type=int, default=TOKENS,
+                        help=f"tokens per step (default {TOKENS})")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds over all cases; the steady state is each one's best")
+    parser.add_argument("--warmup", type=int, default=5,
+                        help="untimed steps per case before timing (compilation, CUDA-graph "
+                             "recording)")
+    parser.add_argument("--cases", default=None,
+                        help="comma-separated substrings: run only the cases whose name holds "
+                             "one (bf16 cases are always run: they are the baseline)")
+    args = parser.parse_args(argv)
+    sizes = parse_shapes(args.shapes) or [(args.tokens, int(h)) for h in args.hidden.split(",")]
+    cases = CASES
+    if args.cases:
+        keys = [k.strip() for k in args.cases.split(",") if k.strip()]
+        cases = [c for c in CASES if c[0] in BF16 or any(k in c[0] for k in keys)]
+    # Every case compiles the same MLP.forward code; per-size resets keep the count low, this
+    # keeps dynamo from silently falling back to eager if a case recompiles a few times.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+
+    dev = device_name(args.device)
+    ao = torchao_version()
+    print(f"torch {torch.__version__}, torchao {ao or 'not installed'}, {dev}", flush=True)
+    results = []
+    for i, (tokens, hidden) in enumerate(sizes):
+        print(f"[{i + 1}/{len(sizes)}] tokens={tokens} hidden={hidden} ffn={4 * hidden} ...",
+              flush=True)
+        results.append(run_size(tokens, hidden, args, cases))
+
+    names = [c[0] for c in cases]
+    print(f"\nMLP block (fc1 {'/'.join(str(r['hidden']) for r in results)} -> 4x, exact GELU, "
+          f"fc2; bias; bf16) forward+backward on {dev}: speed-up vs the faster bf16 variant "
+          f"(bf16 eager or bf16 compile) at that size, ms per step in brackets; steady state "
+          f"of back-to-back steps")
+    print_table(["case"] + [f"{r['tokens']}x{r['hidden']}" for r in results],
+                [[n] + [cell(r["cases"][n]) for r in results] for n in names])
+
+    print("\nDetails: first step (compilation) time, graph breaks and CUDA-graph skips while "
+          "compiling, relative error of the output vs bf16 eager, delayed-scaling update seen")
+    rows = []
+    for r in results:
+        for n in names:
+            c = r["cases"][n]
+            ok = c["status"] == "ok"
+            rows.append([f"{r['tokens']}x{r['hidden']}", n,
+                         f"{c['ms']:.3f}" if ok and c["ms"] else "-",
+                         f"{c['speedup_vs_faster_bf16']:.2f}x"
+                         if ok and c["speedup_vs_faster_bf16"] else "-",
+                         f"{c['first_step_s']:.1f}" if "first_step_s" in c else "-",
+                         c.get("graph_breaks", "-"), c.get("cudagraph_skips", "-"),
+                         f"{c['rel_err_vs_bf16_eager']:.2%}"
+                         if "rel_err_vs_bf16_eager" in c else "-",
+                         c.get("scales_updated", "-"),
+                         "ok" if ok else c["status"]])
+    print_table(["size", "case", "ms", "vs faster bf16", "first step s", "graph breaks",
+                 "cudagraph skips", "rel err", "scales updated", "status"], rows)
+
+    save_json(os.path.join(args.out, "compile.json"),
+              {"device": dev, "torch": torch.__version__, "torchao": ao,
+               "gelu": "exact (erf)", "dtype": "bf16 activations, parameters and gradients",
+               "reps": args.reps, "rounds": args.rounds, "warmup": args.warmup,
+               "results": results})
+    plotted = [n for n in names if any(r["cases"][n]["speedup_vs_faster_bf16"] for r in results)]
+    save_plot(os.path.join(args.out, "compile.png"), results, plotted, dev)
+
+
+if __name__ == "__main__":
+    main()

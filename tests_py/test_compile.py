@@ -1,0 +1,168 @@
+"""torch.compile sees tpfp8.Linear whole: a model of them inside fp8_autocast traces with no
+graph break (torch._dynamo.explain) for every configuration, and the compiled model equals
+eager bit for bit -- outputs, gradients, main_grad and the FP8 state -- step after step.
+(Tensor parallelism: tp_worker.py's compiled_matches_eager, on gloo ranks.)"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tpfp8
+
+
+class Block(nn.Module):
+    """fc1 -> GELU -> fc2, passing is_first_microbatch on (as Megatron's layers do)."""
+
+    def __init__(self, **kw):
+        super().__init__()
+        self.fc1 = tpfp8.Linear(32, 64, name="fc1", **kw)
+        self.fc2 = tpfp8.Linear(64, 32, name="fc2", **kw)
+
+    def forward(self, x, is_first_microbatch=None):
+        h = F.gelu(self.fc1(x, is_first_microbatch=is_first_microbatch))
+        return self.fc2(h, is_first_microbatch=is_first_microbatch)
+
+
+DELAYED, CURRENT = tpfp8.DelayedScaling(), tpfp8.CurrentScaling()
+# name: (recipe, Linear options, per-step is_first_microbatch, debug rules)
+CONFIGS = {
+    "high precision": (None, {}, None, None),
+    "delayed": (DELAYED, {}, None, None),
+    "current": (CURRENT, {}, None, None),
+    "delayed weight cache": (DELAYED, {}, (True, False, False), None),
+    "current weight cache": (CURRENT, {}, (True, False, True), None),
+    "delayed main_grad": (DELAYED, {"fuse_wgrad_accumulation": True}, (True, False, False),
+                          None),
+    "current main_grad": (CURRENT, {"fuse_wgrad_accumulation": True}, None, None),
+    "current save_original_input": (CURRENT, {"save_original_input": True}, None, None),
+    "delayed debug": (DELAYED, {}, None, {"log_stats": {}, "disable_fp8_gemm": {
+        "gemms": ["dgrad"]}}),
+    "current debug fake_quant": (CURRENT, {}, None, {"fake_quant": {
+        "tensors": ["weight"], "format": "e5m2"}}),
+}
+
+
+def make(options, device):
+    torch.manual_seed(0)
+    return with_main_grad(Block(device=device, **options))
+
+
+def with_main_grad(block):
+    """Made outside the graph (see the error test), also for a copy (deepcopy drops it)."""
+    for layer in (block.fc1, block.fc2):
+        if layer.fuse_wgrad_accumulation:
+            layer.weight.main_grad = torch.zeros_like(layer.weight, dtype=torch.float32)
+    return block
+
+
+def step(model, x, recipe, first=None):
+    """One training step; returns what it computed and the model's state after it."""
+    x = x.clone().requires_grad_(True)
+    with tpfp8.fp8_autocast(enabled=recipe is not None, recipe=recipe):
+        y = model(x, first)
+    y.square().sum().backward()
+    state = [y.detach(), x.grad]
+    for p in model.parameters():
+        state += [p.grad, getattr(p, "main_grad", None)]
+        p.grad = None
+    return state + [b.clone() for b in model.buffers()]
+
+
+@pytest.fixture
+def debug_rules(request):
+    yield
+    tpfp8.debug.shutdown()
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_compiled_equals_eager_with_no_graph_break(device, name, debug_rules):
+    recipe, options, firsts, debug = CONFIGS[name]
+    if debug:
+        tpfp8.debug.initialize([{"layers": "fc", "features": debug}])
+    torch._dynamo.reset()
+    eager = make(options, device)
+    model = with_main_grad(copy.deepcopy(eager))
+    x = torch.randn(16, 32, device=device)
+    with tpfp8.fp8_autocast(enabled=recipe is not None, recipe=recipe):
+        explained = torch._dynamo.explain(with_main_grad(copy.deepcopy(eager)))(
+            x, firsts and firsts[0])
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, \
+        explained.break_reasons
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for i in range(3):
+        first = firsts and firsts[i]
+        before = len(tpfp8.debug.records())
+        got = step(compiled, x * (i + 1), recipe, first)
+        middle = len(tpfp8.debug.records())
+        want = step(eager, x * (i + 1), recipe, first)
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert (a is None and b is None) or torch.equal(a, b), f"step {i}"
+        records = tpfp8.debug.records()
+        # Debug reports: the same from the compiled step as from the eager one.
+        assert records[before:middle] == records[middle:]
+        assert (middle > before) == bool(debug and "log_stats" in debug)
+
+
+def test_inductor_compiles_the_block_bit_for_bit(device):
+    """The default backend (inductor) too: its kernels around our ops change nothing."""
+    torch._dynamo.reset()
+    eager = make({}, device)
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model, fullgraph=True)
+    x = torch.randn(16, 32, device=device)
+    for i in range(2):
+        got, want = step(compiled, x, DELAYED), step(eager, x, DELAYED)
+        for a, b in zip(got, want):
+            assert (a is None and b is None) or torch.allclose(a, b, rtol=1e-6, atol=0)
+
+
+def test_missing_main_grad_is_a_clear_error_under_compile():
+    torch._dynamo.reset()
+    block = Block(fuse_wgrad_accumulation=True)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="needs weight.main_grad to exist before a compiled"):
+        with tpfp8.fp8_autocast(recipe=CURRENT):
+            compiled(torch.randn(4, 32))
+
+
+def test_another_history_length_under_compile_then_equals_eager():
+    """A recipe whose history length differs from the layer's state remakes the state inside
+    the graph; after that first step (its gradient amax is not recorded there), compiled and
+    eager steps agree again bit for bit."""
+    torch._dynamo.reset()
+    recipe = tpfp8.DelayedScaling(amax_history_len=16)
+    eager = make({}, "cpu")
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(16, 32)
+    step(compiled, x, recipe)
+    step(eager, x, recipe)
+    assert model.fc1.fp8_amax_history.shape == (2, 16)
+    assert not model.fc1.fp8_grad_amax_history.any()  # the one difference: not recorded
+    with torch.no_grad():
+        for layer, twin in ((model.fc1, eager.fc1), (model.fc2, eager.fc2)):
+            layer.fp8_grad_amax_history.copy_(twin.fp8_grad_amax_history)
+    for i in range(2):
+        for a, b in zip(step(compiled, x, recipe), step(eager, x, recipe)):
+            assert (a is None and b is None) or torch.equal(a, b), f"step {i}"
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and tpfp8.with_cuda()),
+                    reason="CUDA graphs need a GPU and tpfp8's CUDA build")
+@pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
+def test_reduce_overhead_trains_like_eager(recipe):
+    """mode="reduce-overhead" (CUDA graphs): the updates run at fp8_autocast's exit, outside
+    the graphs, so replayed steps train exactly as eager ones, delayed scaling included."""
+    torch._dynamo.reset()
+    eager = make({}, "cuda")
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    x = torch.randn(16, 32, device="cuda")
+    for i in range(6):  # recorded, then replayed
+        torch.compiler.cudagraph_mark_step_begin()
+        got, want = step(compiled, x * (i + 1), recipe), step(eager, x * (i + 1), recipe)
+        for a, b in zip(got, want):
+            assert (a is None and b is None) or torch.equal(a, b), f"step {i}"
