@@ -14,7 +14,7 @@ from . import _C
 _WRITERS = ("quantize", "cast_transpose", "cast_transpose_current", "transpose_fp8",
             "dequantize", "amax", "delayed_scaling_update", "delayed_scaling_update_many", "gemm")
 OPS = _WRITERS + ("linear_forward", "linear_backward")
-_COLUMN, _ROW = int(_C.ParallelMode.COLUMN), int(_C.ParallelMode.ROW)
+_COLUMN, _NONE = int(_C.ParallelMode.COLUMN), int(_C.Scaling.NONE)
 
 
 def _writes_only_its_arguments(*args, **kwargs) -> None:
@@ -59,7 +59,7 @@ def _linear_forward(x, weight, bias, scale, amax_history, cache_rowwise, cache_c
     def f32(*size):
         return x.new_empty(size, dtype=torch.float32)
 
-    fp8 = scaling != int(_C.Scaling.NONE)
+    fp8 = scaling != _NONE
     x_fp8 = u8(0)
     if fp8 and need_wgrad and not save_original_input:
         if gathers and not debug:

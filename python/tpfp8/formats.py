@@ -27,7 +27,7 @@ class Fp8Format(enum.IntEnum):
     @property
     def gemm_type(self) -> int:
         """The operand type code of torch.ops.tpfp8.gemm for FP8 data of this format."""
-        return int(_C.GemmType.E4M3 if self is Fp8Format.E4M3 else _C.GemmType.E5M2)
+        return _GEMM_TYPE[self]
 
     def clipped(self, scaled: torch.Tensor) -> torch.Tensor:
         """Where a cast of `scaled` (fp32 values already multiplied by the scale) saturated:
@@ -52,4 +52,6 @@ class Fp8Format(enum.IntEnum):
         raise ValueError(f"unknown FP8 format {value!r}: expected 'e4m3' or 'e5m2'")
 
 
+# Read from C++ once, as plain values (torch.compile traces them; not pybind enums).
 _MAX = {f: _C.fp8_max(f.native) for f in Fp8Format}
+_GEMM_TYPE = {Fp8Format.E4M3: int(_C.GemmType.E4M3), Fp8Format.E5M2: int(_C.GemmType.E5M2)}

@@ -11,16 +11,20 @@ from . import _C
 from .recipe import CurrentScaling, DelayedScaling
 
 _FORWARD, _BACKWARD = slice(0, 2), slice(2, 3)  # of scale and scale_inv
+# The native codes as plain ints, read once (torch.compile traces ints, not pybind enums).
+_NONE, _DELAYED, _CURRENT = (int(v) for v in (_C.Scaling.NONE, _C.Scaling.DELAYED,
+                                              _C.Scaling.CURRENT))
+_HIGH_PRECISION = (_NONE, int(_C.Fp8Format.E4M3), int(_C.Fp8Format.E5M2), 0.0)
 
 
 def recipe_codes(recipe) -> tuple:
     """(scaling, forward format, gradient format, epsilon) as the ops take them."""
     if recipe is None:
-        return int(_C.Scaling.NONE), int(_C.Fp8Format.E4M3), int(_C.Fp8Format.E5M2), 0.0
+        return _HIGH_PRECISION
     fwd, grad = recipe.formats
     if isinstance(recipe, CurrentScaling):
-        return int(_C.Scaling.CURRENT), int(fwd), int(grad), float(recipe.amax_epsilon)
-    return int(_C.Scaling.DELAYED), int(fwd), int(grad), 0.0
+        return _CURRENT, int(fwd), int(grad), float(recipe.amax_epsilon)
+    return _DELAYED, int(fwd), int(grad), 0.0
 
 
 def maxima(recipe: DelayedScaling) -> list:
