@@ -69,16 +69,17 @@ PYBIND11_MODULE(_C, m) {
       },
       "Raises ValueError unless linear_forward can run these arguments (its fake kernel's check)");
   m.def(
-      "update_delayed",
-      [](const std::vector<at::Tensor>& histories, const std::vector<at::Tensor>& scales,
-         const std::vector<at::Tensor>& scale_invs, const std::vector<double>& fp8_max,
-         int64_t margin, bool use_history_max, const std::string& amax_group) {
-        update_delayed(
-            histories, scales, scale_invs, fp8_max, margin, use_history_max,
+      "update_layers",
+      [](const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& scale_invs,
+         const std::vector<at::Tensor>& histories, const std::vector<at::Tensor>& grad_histories,
+         const std::vector<double>& fp8_max, int64_t margin, bool use_history_max,
+         const std::string& amax_group) {
+        update_layers(
+            scales, scale_invs, histories, grad_histories, fp8_max, margin, use_history_max,
             amax_group.empty() ? ProcessGroupPtr() : c10d::resolve_process_group(amax_group));
       },
-      py::arg("histories"), py::arg("scales"), py::arg("scale_invs"), py::arg("fp8_max"),
-      py::arg("margin"), py::arg("use_history_max"), py::arg("amax_group"),
+      py::arg("scales"), py::arg("scale_invs"), py::arg("histories"), py::arg("grad_histories"),
+      py::arg("fp8_max"), py::arg("margin"), py::arg("use_history_max"), py::arg("amax_group"),
       py::call_guard<py::gil_scoped_release>(),
       "Delayed-scaling update of many layers' states now (amaxes all-reduced over the named "
       "group first, if any)");

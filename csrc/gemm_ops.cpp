@@ -55,18 +55,21 @@ GemmOperand operand(const at::Tensor& t, GemmType type, const OptTensor& scale_i
 }
 
 // Per (device, stream) workspace, allocated on first use (warm-up) and kept: later calls,
-// including those under CUDA-graph capture, allocate nothing.
+// including those under CUDA-graph capture, allocate nothing. Straight from the driver, not
+// the caching allocator: a first use inside torch.compile's CUDA-graph warm-up would otherwise
+// leave a block of the graphs' private pool alive that no graph output owns.
 void* workspace_for(const at::Tensor& like) {
 #if defined(TPFP8_WITH_CUDA)
   static std::mutex mutex;
-  static std::map<std::pair<int, int64_t>, at::Tensor> buffers;
+  static std::map<std::pair<int, int64_t>, void*> buffers;  // freed at process exit
   const auto stream = c10::cuda::getCurrentCUDAStream(like.device().index());
   const std::lock_guard<std::mutex> lock(mutex);
-  at::Tensor& buf = buffers[{like.device().index(), stream.id()}];
-  if (!buf.defined()) {
-    buf = at::empty({static_cast<int64_t>(kGemmWorkspaceBytes)}, like.options().dtype(at::kByte));
+  void*& buf = buffers[{like.device().index(), stream.id()}];
+  if (buf == nullptr) {
+    const c10::cuda::CUDAGuard guard(like.device());
+    C10_CUDA_CHECK(cudaMalloc(&buf, kGemmWorkspaceBytes));
   }
-  return buf.data_ptr();
+  return buf;
 #else
   (void)like;
   return nullptr;

@@ -478,6 +478,22 @@ Grads linear_backward(const at::Tensor& dy_in, const SavedForBackward& s, const 
   return out;
 }
 
+void update_layers(const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& scale_invs,
+                   const std::vector<at::Tensor>& histories,
+                   const std::vector<at::Tensor>& grad_histories,
+                   const std::vector<double>& fp8_max, int64_t margin, bool use_history_max,
+                   const ProcessGroupPtr& amax_group) {
+  std::vector<at::Tensor> all_histories, all_scales, all_scale_invs;
+  for (size_t j = 0; j < scales.size(); ++j) {  // forward (input, weight), then gradient
+    all_histories.insert(all_histories.end(), {histories[j], grad_histories[j]});
+    all_scales.insert(all_scales.end(), {scales[j].narrow(0, 0, 2), scales[j].narrow(0, 2, 1)});
+    all_scale_invs.insert(all_scale_invs.end(),
+                          {scale_invs[j].narrow(0, 0, 2), scale_invs[j].narrow(0, 2, 1)});
+  }
+  update_delayed(all_histories, all_scales, all_scale_invs, fp8_max, margin, use_history_max,
+                 amax_group);
+}
+
 Fp8Tensor all_gather_fp8(const at::Tensor& local, const QuantizerSpec& spec,
                          const ProcessGroupPtr& group, Fp8Tensor* local_out) {
   Fp8Tensor q = quantize(local.contiguous(), with_group_amax(spec, group), true, false);

@@ -95,6 +95,15 @@ LinearConfig linear_config(int64_t scaling, int64_t fwd_format, int64_t grad_for
 struct DelayedState {
   at::Tensor scale, amax_history, grad_amax_history;
 };
+// The delayed-scaling update of many layers (fp8_autocast's exit): layer j's scale and
+// scale_inv [3], its forward and gradient histories, and fp8_max 3 per layer; with
+// `amax_group` their newest amaxes are all-reduced first, in one collective.
+void update_layers(const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& scale_invs,
+                   const std::vector<at::Tensor>& histories,
+                   const std::vector<at::Tensor>& grad_histories,
+                   const std::vector<double>& fp8_max, int64_t margin, bool use_history_max,
+                   const ProcessGroupPtr& amax_group);
+
 enum Role : int64_t { kInput = 0, kWeight = 1, kGrad = 2 };
 
 // The weight's FP8 cache: filled with kFill, read with kReuse.

@@ -45,8 +45,8 @@ class Fp8Format(enum.IntEnum):
         """Accepts an Fp8Format, its name ("e4m3"/"e5m2", any case) or its integer value."""
         if isinstance(value, cls):
             return value
-        if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
+        if isinstance(value, str) and value.lower() in _BY_NAME:
+            return _BY_NAME[value.lower()]
         if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
             return cls(value)
         raise ValueError(f"unknown FP8 format {value!r}: expected 'e4m3' or 'e5m2'")
@@ -54,4 +54,5 @@ class Fp8Format(enum.IntEnum):
 
 # Read from C++ once, as plain values (torch.compile traces them; not pybind enums).
 _MAX = {f: _C.fp8_max(f.native) for f in Fp8Format}
+_BY_NAME = {"e4m3": Fp8Format.E4M3, "e5m2": Fp8Format.E5M2}
 _GEMM_TYPE = {Fp8Format.E4M3: int(_C.GemmType.E4M3), Fp8Format.E5M2: int(_C.GemmType.E5M2)}

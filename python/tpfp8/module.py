@@ -5,7 +5,7 @@ tensors and joins the two ops with autograd."""
 import copy
 import dataclasses
 import math
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -360,7 +360,7 @@ class Linear(nn.Module):
         module's own buffers, or new tensors made from them (another history length, format or
         device)."""
         mine = self._state()
-        if self._fp8_recipe is recipe and mine[0].device == device:
+        if self._fp8_recipe is recipe and mine[0].device == device:  # (every step after the first)
             return mine, False
         adopted = _scaling.adopted(mine, self._fp8_recipe or recipe, recipe, device)
         return adopted, any(a is not b for a, b in zip(adopted, mine))
@@ -427,8 +427,7 @@ _FIXED_AFTER_INIT = frozenset(
     ("in_features", "out_features", "parallel_mode", "tp_group", "sequence_parallel"))
 
 
-@dataclasses.dataclass(frozen=True)
-class _OpArgs:
+class _OpArgs(NamedTuple):
     """The plain values of one call of the ops (torch.compile bakes them into the graph)."""
     scaling: int
     fwd_format: int

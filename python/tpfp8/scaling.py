@@ -3,6 +3,7 @@ input, weight and output gradient, the amax history of the input and weight [2, 
 (written by forward) and that of the gradient [1, history_len] (written by backward); tensor-
 major, newest first -- and the update that rolls them, once per step, for many layers at a
 time."""
+import functools
 from typing import Iterable
 
 import torch
@@ -10,7 +11,7 @@ import torch
 from . import _C
 from .recipe import CurrentScaling, DelayedScaling
 
-_FORWARD, _BACKWARD = slice(0, 2), slice(2, 3)  # of scale and scale_inv
+_FORWARD, _BACKWARD = slice(0, 2), slice(2, 3)  # of scale and scale_inv: input, weight | grad
 # The native codes as plain ints, read once (torch.compile traces ints, not pybind enums).
 _NONE, _DELAYED, _CURRENT = (int(v) for v in (_C.Scaling.NONE, _C.Scaling.DELAYED,
                                               _C.Scaling.CURRENT))
@@ -27,10 +28,11 @@ def recipe_codes(recipe) -> tuple:
     return _DELAYED, int(fwd), int(grad), 0.0
 
 
-def maxima(recipe: DelayedScaling) -> list:
+@functools.lru_cache(maxsize=None)
+def maxima(recipe: DelayedScaling) -> tuple:
     """The largest FP8 value of each of the three tensors' formats."""
     fwd, grad = recipe.formats
-    return [float(fwd.max), float(fwd.max), float(grad.max)]
+    return float(fwd.max), float(fwd.max), float(grad.max)
 
 
 def fresh(recipe: DelayedScaling, device) -> tuple:
@@ -100,17 +102,16 @@ def update(layers: Iterable) -> None:
     amax group calls this with its layers in the same order (the order their forwards ran)."""
     batches = {}
     for layer in layers:
-        recipe, group = layer._fp8_recipe, layer._fp8_amax_group
-        history = layer.fp8_amax_history
-        key = (history.device, history.shape[1], recipe.margin, recipe.amax_compute_algo,
-               "" if group is None else group.group_name)
-        batches.setdefault(key, []).append(layer)
-    for (_, _, margin, algo, group_name), batch in batches.items():
-        histories, scales, scale_invs, fp8_max = [], [], [], []
-        for m in batch:
-            histories += [m.fp8_amax_history, m.fp8_grad_amax_history]
-            scales += [m.fp8_scale[_FORWARD], m.fp8_scale[_BACKWARD]]
-            scale_invs += [m.fp8_scale_inv[_FORWARD], m.fp8_scale_inv[_BACKWARD]]
-            fp8_max += maxima(m._fp8_recipe)
-        _C.update_delayed(histories, scales, scale_invs, fp8_max, margin, algo == "max",
-                          group_name)
+        state, recipe, group = layer._buffers, layer._fp8_recipe, layer._fp8_amax_group
+        history = state["fp8_amax_history"]
+        key = (history.device, history.shape[1], recipe.margin, recipe.amax_compute_algo, group)
+        batch = batches.get(key)
+        if batch is None:
+            batch = batches[key] = ([], [], [], [], [])
+        batch[0].append(state["fp8_scale"])
+        batch[1].append(state["fp8_scale_inv"])
+        batch[2].append(history)
+        batch[3].append(state["fp8_grad_amax_history"])
+        batch[4].extend(maxima(recipe))
+    for (_, _, margin, algo, group), batch in batches.items():
+        _C.update_layers(*batch, margin, algo == "max", "" if group is None else group.group_name)
