@@ -4,6 +4,7 @@
 
 #include <map>
 #include <mutex>
+#include <vector>
 
 #include "checks.h"
 #include "device_dispatch.h"
@@ -55,19 +56,29 @@ GemmOperand operand(const at::Tensor& t, GemmType type, const OptTensor& scale_i
 }
 
 // Per (device, stream) workspace, allocated on first use (warm-up) and kept: later calls,
-// including those under CUDA-graph capture, allocate nothing. Straight from the driver, not
-// the caching allocator: a first use inside torch.compile's CUDA-graph warm-up would otherwise
-// leave a block of the graphs' private pool alive that no graph output owns.
+// including those under CUDA-graph capture, allocate nothing. Straight from the driver when it
+// can be, not from the caching allocator: a first use inside torch.compile's CUDA-graph
+// warm-up would otherwise leave a block of the graphs' private pool alive that no graph output
+// owns. A first use inside a capture (where cudaMalloc is not allowed) takes it from the
+// capture's pool, kept as long as the process.
 void* workspace_for(const at::Tensor& like) {
 #if defined(TPFP8_WITH_CUDA)
   static std::mutex mutex;
   static std::map<std::pair<int, int64_t>, void*> buffers;  // freed at process exit
+  static std::vector<at::Tensor> captured;
   const auto stream = c10::cuda::getCurrentCUDAStream(like.device().index());
   const std::lock_guard<std::mutex> lock(mutex);
   void*& buf = buffers[{like.device().index(), stream.id()}];
-  if (buf == nullptr) {
+  if (buf != nullptr) return buf;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  if (status == cudaStreamCaptureStatusNone) {
     const c10::cuda::CUDAGuard guard(like.device());
     C10_CUDA_CHECK(cudaMalloc(&buf, kGemmWorkspaceBytes));
+  } else {
+    captured.push_back(
+        at::empty({static_cast<int64_t>(kGemmWorkspaceBytes)}, like.options().dtype(at::kByte)));
+    buf = captured.back().data_ptr();
   }
   return buf;
 #else
