@@ -175,3 +175,24 @@ def test_reduce_overhead_trains_like_eager(recipe):
         got, want = step(compiled, x * (i + 1), recipe), step(eager, x * (i + 1), recipe)
         for a, b in zip(got, want):
             assert (a is None and b is None) or torch.equal(a, b), f"step {i}"
+
+
+def test_a_changed_setting_takes_effect_in_the_compiled_model():
+    """A layer's config is one frozen value baked into the graph; setting an attribute makes a
+    new one, and the compiled model retraces: gradients go to main_grad from then on."""
+    torch._dynamo.reset()
+    eager = make({}, "cpu")
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(16, 32)
+    step(compiled, x, CURRENT)
+    step(eager, x, CURRENT)
+    for block in (model, eager):
+        block.fc1.fuse_wgrad_accumulation = True
+        with_main_grad(block)
+    assert model.fc1.config.fuse_wgrad_accumulation
+    got, want = step(compiled, x, CURRENT), step(eager, x, CURRENT)
+    for a, b in zip(got, want):
+        assert (a is None and b is None) or torch.equal(a, b)
+    weight_grad, main_grad = got[2:4]  # fc1.weight's (step() lists y, dx, then per parameter)
+    assert weight_grad is None and bool(main_grad.any())

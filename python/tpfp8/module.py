@@ -84,7 +84,7 @@ class Linear(nn.Module):
         self.return_bias = return_bias
         self.name = name
         self._debug_handle = _debug.register(self)
-        self._group_name = tp_group.group_name if parallel_mode else ""
+        self._config = self._make_config()
         # Delayed-scaling state (input, weight, output gradient): made with the parameters
         # (reset_parameters), so that a compiled model's first step finds it as a buffer; the
         # recipe it follows (None: no delayed-scaling step yet) and the group its amaxes were
@@ -168,6 +168,13 @@ class Linear(nn.Module):
     # ---- FP8 state ----------------------------------------------------------------------
 
     @property
+    def config(self) -> "LinearConfig":
+        """The layer's configuration as its ops take it (a frozen value; set the attributes
+        ``save_original_input``, ``fuse_wgrad_accumulation`` or ``return_bias`` to change it
+        for the next call)."""
+        return self._config
+
+    @property
     def fp8_state(self) -> Optional[dict]:
         """The delayed-scaling state, to inspect (views of the live buffers: read, do not
         write), or None before the first delayed-scaling FP8 step: ``{"forward": {"scale": [2],
@@ -233,6 +240,7 @@ class Linear(nn.Module):
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
         self._debug_handle = _debug.register(self)  # a copy reports as itself
+        self._config = self._make_config()
 
     def __deepcopy__(self, memo):
         # A copy computes over the same tensor-parallel group: shared, not copied (a
@@ -251,6 +259,14 @@ class Linear(nn.Module):
             raise AttributeError(f"Linear.{name} is fixed when the layer is built (it sets the "
                                  f"parameters' shapes and split); build a new tpfp8.Linear")
         super().__setattr__(name, value)
+        if name in _SETTINGS and "_config" in self.__dict__:  # takes effect at the next call
+            self._config = self._make_config()
+
+    def _make_config(self) -> "LinearConfig":
+        group = self.tp_group.group_name if self.parallel_mode else ""
+        return LinearConfig(_PARALLEL[self.parallel_mode], self.sequence_parallel, group,
+                            self.save_original_input, self.fuse_wgrad_accumulation,
+                            self.return_bias)
 
     def _apply(self, fn, *args, **kwargs):
         """``.to()``, ``.cuda()``, ``.half()``...: the FP8 state moves with the parameters and
@@ -303,23 +319,23 @@ class Linear(nn.Module):
         state, weight cache and ``weight.main_grad`` are only changed by calls that succeed.
         On the meta device it gives the output's shape and dtype and keeps nothing.
         """
-        param = self.weight
+        param, config = self.weight, self._config
         self._check_type(x)
         frame = _autocast.current()
         recipe = frame["recipe"] if frame is not None else None
         x, weight, bias = self._compute_dtype(x, param, in_fp8=recipe is not None)
         bias_out = None
-        if self.return_bias:
+        if config.return_bias:
             bias_out, bias = bias, None
-        call = self._prepare(recipe, frame, x, param, is_first_microbatch)
+        call = self._prepare(config, recipe, frame, x, param, is_first_microbatch)
         y = _LinearFunction.apply(x, weight, bias, call.scale, call.amax_history,
                                   call.grad_amax_history, call.replay, *call.weight_cache,
-                                  call.main_grad, call.args)
+                                  call.main_grad, config, call.args)
         if not x.is_meta:
             self._commit(call, param, frame)
-        return (y, bias_out) if self.return_bias else y
+        return (y, bias_out) if config.return_bias else y
 
-    def _prepare(self, recipe, frame, x, param, is_first_microbatch) -> "_Call":
+    def _prepare(self, config, recipe, frame, x, param, is_first_microbatch) -> "_Call":
         """The op's arguments for this call, and the state made for it (kept by `_commit`
         once the call succeeded)."""
         delayed = isinstance(recipe, DelayedScaling)
@@ -328,11 +344,11 @@ class Linear(nn.Module):
             call.state, call.new_state = self._delayed_state(recipe, x.device)
             call.scale, _, call.amax_history, call.grad_amax_history = call.state
             call.replay = _autocast.replayed_scales(frame, self)
-            call.amax_group = _parallel.amax_group_for(self.tp_group, self.sequence_parallel,
+            call.amax_group = _parallel.amax_group_for(self.tp_group, config.sequence_parallel,
                                                        frame["amax_group"])
         cache_mode, call.weight_cache, call.new_cache = self._weight_cache_for(
             recipe is not None, is_first_microbatch)
-        fuse = self.fuse_wgrad_accumulation and param.requires_grad
+        fuse = config.fuse_wgrad_accumulation and param.requires_grad
         if fuse:
             call.main_grad = getattr(param, "main_grad", None)
             if call.main_grad is None:
@@ -345,11 +361,10 @@ class Linear(nn.Module):
                         param, dtype=torch.float32)
         grad = torch.is_grad_enabled()
         debug = _debug.options_for(self)
-        call.args = _OpArgs(
-            *_scaling.recipe_codes(recipe), cache_mode, self.save_original_input,
-            _PARALLEL[self.parallel_mode], self.sequence_parallel, self._group_name,
-            debug or (), grad and x.requires_grad, grad and param.requires_grad,
-            bool(is_first_microbatch), recipe is None or self.save_original_input or bool(debug),
+        call.args = _CallArgs(
+            *_scaling.recipe_codes(recipe), cache_mode, debug or (),
+            grad and x.requires_grad, grad and param.requires_grad, bool(is_first_microbatch),
+            recipe is None or config.save_original_input or bool(debug),
             # State made inside a compiled graph cannot be written by its backward: the first
             # compiled step under another history length records no gradient amax.
             not (call.new_state and torch.compiler.is_compiling()))
@@ -427,17 +442,30 @@ _FIXED_AFTER_INIT = frozenset(
     ("in_features", "out_features", "parallel_mode", "tp_group", "sequence_parallel"))
 
 
-class _OpArgs(NamedTuple):
-    """The plain values of one call of the ops (torch.compile bakes them into the graph)."""
+class LinearConfig(NamedTuple):
+    """A layer's configuration as its ops take it: one frozen value, made when the layer is
+    built and made again when a setting that may change between steps is set (torch.compile
+    bakes it into the graph and retraces when it changes)."""
+    parallel_mode: int  # the op's code
+    sequence_parallel: bool
+    group_name: str  # the tensor-parallel group's name ("" for none)
+    save_original_input: bool
+    fuse_wgrad_accumulation: bool
+    return_bias: bool
+
+
+# The settings that may change between steps, and make the config again when they do.
+_SETTINGS = frozenset(("save_original_input", "fuse_wgrad_accumulation", "return_bias"))
+
+
+class _CallArgs(NamedTuple):
+    """The plain values of one call beside the config (from the recipe, the call's arguments
+    and grad mode, debugging)."""
     scaling: int
     fwd_format: int
     grad_format: int
     epsilon: float
     weight_cache: int
-    save_original_input: bool
-    parallel_mode: int
-    sequence_parallel: bool
-    group_name: str
     debug: tuple
     need_dgrad: bool
     need_wgrad: bool
@@ -449,7 +477,7 @@ class _OpArgs(NamedTuple):
 @dataclasses.dataclass
 class _Call:
     """One forward's op arguments and the state made for it."""
-    args: Optional[_OpArgs]
+    args: Optional[_CallArgs]
     state: Optional[tuple] = None  # the `_STATE` tensors, under delayed scaling
     new_state: bool = False
     scale: Optional[torch.Tensor] = None
@@ -470,19 +498,20 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, scale, amax_history, grad_amax_history, replay,
-                cache_rowwise, cache_columnwise, cache_scale_inv, main_grad, a: _OpArgs):
+                cache_rowwise, cache_columnwise, cache_scale_inv, main_grad, c: LinearConfig,
+                a: _CallArgs):
         y, x_fp8, x_scale_inv, w_fp8, w_scale_inv = torch.ops.tpfp8.linear_forward(
             x, weight, bias, scale if replay is None else replay,
             amax_history if replay is None else None, cache_rowwise, cache_columnwise,
             cache_scale_inv, main_grad, a.scaling, a.fwd_format, a.grad_format, a.epsilon,
-            a.weight_cache, a.save_original_input, a.parallel_mode, a.sequence_parallel,
-            a.group_name, list(a.debug), a.need_dgrad, a.need_wgrad)
+            a.weight_cache, c.save_original_input, c.parallel_mode, c.sequence_parallel,
+            c.group_name, a.debug, a.need_dgrad, a.need_wgrad)
         if a.weight_cache != _WEIGHT_CACHE_NONE:  # the cache is backward's FP8 weight
             w_fp8, w_scale_inv = cache_columnwise, cache_scale_inv
         ctx.save_for_backward(x if a.saves_input else None, x_fp8, x_scale_inv, weight, w_fp8,
                               w_scale_inv)
         ctx.state = (scale, grad_amax_history if a.records_grad_amax else None, main_grad)
-        ctx.args, ctx.x_shape, ctx.x_dtype = a, x.shape, x.dtype
+        ctx.config, ctx.args, ctx.x_shape, ctx.x_dtype = c, a, x.shape, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y
 
@@ -490,18 +519,18 @@ class _LinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, x_fp8, x_scale_inv, weight, w_fp8, w_scale_inv = ctx.saved_tensors
         scale, grad_amax_history, main_grad = ctx.state
-        a = ctx.args
+        c, a = ctx.config, ctx.args
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         if torch.is_grad_enabled():  # create_graph=True: a gradient of gradients
             return _differentiable_backward(ctx, dy, x, weight)
         dx, dw, db = torch.ops.tpfp8.linear_backward(
             dy, x, x_fp8, x_scale_inv, weight, w_fp8, w_scale_inv, scale, grad_amax_history,
             main_grad, a.main_grad_overwrite, a.scaling, a.fwd_format, a.grad_format,
-            a.epsilon, a.save_original_input, a.parallel_mode, a.sequence_parallel,
-            a.group_name, list(a.debug), ctx.x_shape, ctx.x_dtype,
+            a.epsilon, c.save_original_input, c.parallel_mode, c.sequence_parallel,
+            c.group_name, a.debug, ctx.x_shape, ctx.x_dtype,
             ctx.bias_dtype if need_db else None, need_dx, need_dw or main_grad is not None)
         return (dx if need_dx else None, dw if need_dw and main_grad is None else None,
-                db if need_db else None) + (None,) * 9
+                db if need_db else None) + (None,) * 10
 
 
 def _moved(fn, t: torch.Tensor) -> torch.Tensor:
@@ -522,8 +551,8 @@ def _differentiable_backward(ctx, dy, x, weight):
     detached dx."""
     a = ctx.args
     main_grad = ctx.state[2]
-    if a.scaling or a.parallel_mode or main_grad is not None:
-        used = ("FP8" if a.scaling else "tensor parallelism" if a.parallel_mode
+    if a.scaling or ctx.config.parallel_mode or main_grad is not None:
+        used = ("FP8" if a.scaling else "tensor parallelism" if ctx.config.parallel_mode
                 else "fuse_wgrad_accumulation")
         raise RuntimeError(
             f"tpfp8.Linear supports double backward (create_graph=True) only in high precision "
@@ -534,7 +563,7 @@ def _differentiable_backward(ctx, dy, x, weight):
     dx = dy2.mm(weight).to(ctx.x_dtype).reshape(ctx.x_shape) if need_dx else None
     dw = (dy2.t().mm(x.reshape(-1, weight.shape[1])).to(weight.dtype) if need_dw else None)
     db = dy2.sum(0).to(ctx.bias_dtype) if need_db else None
-    return (dx, dw, db) + (None,) * 9
+    return (dx, dw, db) + (None,) * 10
 
 
 def swap_linear(model: nn.Module,
