@@ -1,6 +1,7 @@
 // Quantizers (quantizer.h) over the cast ops.
 #include "quantizer.h"
 
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/record_function.h>
 
 #include <limits>
@@ -54,6 +55,9 @@ void update_delayed(const std::vector<at::Tensor>& histories, const std::vector<
     const double inf = std::numeric_limits<double>::infinity();
     amax.nan_to_num_(inf, inf, inf);
     all_reduce(amax, *amax_group, c10d::ReduceOp::MAX);
+    // Written like the kernels write the rest of the state, without a version bump: what
+    // saved these tensors (a compiled backward) reads them live, as it should.
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
     at::_foreach_copy_(newest, amax.split_with_sizes(c10::fmap(
                                    newest, [](const at::Tensor& t) { return t.size(0); })));
   }

@@ -67,6 +67,17 @@ def linear_samples(device, x, f32, u8, g):
 
     delayed, current = 1, 2
     return {
+        "linear delayed": (x, w, bias, *state(2), state(1)[1], None, None, None, None, None,
+                           *config(delayed), False, False, True, True),
+        "linear current main_grad": (
+            x, w, None, None, None, None, None, None, None, None,
+            torch.zeros(48, 64, device=device), *config(current), True, False, True, True),
+        "linear high precision": (x, w.bfloat16(), bias.bfloat16(), None, None, None, None,
+                                  None, None, None, None, *config(0), False, True, True, True),
+        "linear delayed with autograd": (
+            x.clone().requires_grad_(True), w.clone().requires_grad_(True), None, *state(2),
+            state(1)[1], None, None, None, None, None, *config(delayed), False, False, True,
+            True),
         "linear_forward delayed": (x, w, bias, *state(2), None, None, None, None,
                                    *config(delayed), True, True),
         "linear_forward current weight cache": (

@@ -2,9 +2,11 @@
 device.
 
 The cast and GEMM ops write into tensors their caller passes and return nothing: their fake
-kernels only declare that the op exists off the real devices. The Linear's two ops return new
+kernels only declare that the op exists off the real devices. The Linear's ops return new
 tensors: their fake kernels give the shapes the C++ ops give (csrc/linear.cpp) and, for the
-forward, run the same argument check (ValueError) the op runs.
+forward, run the same argument check (ValueError) the op runs. (``linear`` itself is reached
+here only without autograd -- inference mode: with it, its C++ autograd kernel calls the two
+others.)
 """
 import torch
 from torch.distributed import distributed_c10d
@@ -13,7 +15,7 @@ from . import _C
 
 _WRITERS = ("quantize", "cast_transpose", "cast_transpose_current", "transpose_fp8",
             "dequantize", "amax", "delayed_scaling_update", "delayed_scaling_update_many", "gemm")
-OPS = _WRITERS + ("linear_forward", "linear_backward")
+OPS = _WRITERS + ("linear", "linear_forward", "linear_backward")
 _COLUMN, _NONE = int(_C.ParallelMode.COLUMN), int(_C.Scaling.NONE)
 
 
@@ -82,3 +84,16 @@ def _linear_backward(dy, x, x_fp8, x_scale_inv, weight, w_fp8, w_scale_inv, scal
     dw = weight.new_empty(weight.shape) if need_wgrad and main_grad is None else nothing()
     db = dy.new_empty(weight.shape[0], dtype=bias_dtype) if bias_dtype is not None else nothing()
     return dx, dw, db
+
+
+@torch.library.register_fake("tpfp8::linear")
+def _linear(x, weight, bias, scale, amax_history, grad_amax_history, replay, cache_rowwise,
+            cache_columnwise, cache_scale_inv, main_grad, scaling, fwd_format, grad_format,
+            epsilon, weight_cache, save_original_input, parallel_mode, sequence_parallel,
+            group_name, debug, main_grad_overwrite, saves_input, need_dgrad, need_wgrad):
+    recompute = replay is not None
+    return _linear_forward(x, weight, bias, replay if recompute else scale,
+                           None if recompute else amax_history, cache_rowwise, cache_columnwise,
+                           cache_scale_inv, main_grad, scaling, fwd_format, grad_format, epsilon,
+                           weight_cache, save_original_input, parallel_mode, sequence_parallel,
+                           group_name, debug, need_dgrad, need_wgrad)[0]

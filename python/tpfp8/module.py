@@ -1,7 +1,7 @@
 """``tpfp8.Linear``: a drop-in ``torch.nn.Linear`` whose three GEMMs run in FP8 inside
-``fp8_autocast``. All math happens in C++ (the ops torch.ops.tpfp8.linear_forward /
-linear_backward, csrc/linear.cpp); this file holds the module's parameters and FP8 state as
-tensors and joins the two ops with autograd."""
+``fp8_autocast``. All math and autograd happen in C++ (the op torch.ops.tpfp8.linear over
+linear_forward / linear_backward, csrc/linear_autograd.cpp); this file holds the module's
+parameters, FP8 state (as buffers) and frozen config, and makes the op's arguments."""
 import copy
 import dataclasses
 import math
@@ -328,9 +328,14 @@ class Linear(nn.Module):
         if config.return_bias:
             bias_out, bias = bias, None
         call = self._prepare(config, recipe, frame, x, param, is_first_microbatch)
-        y = _LinearFunction.apply(x, weight, bias, call.scale, call.amax_history,
-                                  call.grad_amax_history, call.replay, *call.weight_cache,
-                                  call.main_grad, config, call.args)
+        a = call.args
+        y = torch.ops.tpfp8.linear(
+            x, weight, bias, call.scale, call.amax_history,
+            call.grad_amax_history if a.records_grad_amax else None, call.replay,
+            *call.weight_cache, call.main_grad, a.scaling, a.fwd_format, a.grad_format,
+            a.epsilon, a.weight_cache, config.save_original_input, config.parallel_mode,
+            config.sequence_parallel, config.group_name, a.debug, a.main_grad_overwrite,
+            a.saves_input, a.need_dgrad, a.need_wgrad)
         if not x.is_meta:
             self._commit(call, param, frame)
         return (y, bias_out) if config.return_bias else y
@@ -491,48 +496,6 @@ class _Call:
     new_main_grad: Optional[torch.Tensor] = None
 
 
-class _LinearFunction(torch.autograd.Function):
-    """Autograd over the two ops. The state tensors (scale, amax history, main_grad) travel on
-    ctx, not through save_for_backward: backward must see them as they are then (updated at
-    the block's exit), not refuse them for having changed."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, scale, amax_history, grad_amax_history, replay,
-                cache_rowwise, cache_columnwise, cache_scale_inv, main_grad, c: LinearConfig,
-                a: _CallArgs):
-        y, x_fp8, x_scale_inv, w_fp8, w_scale_inv = torch.ops.tpfp8.linear_forward(
-            x, weight, bias, scale if replay is None else replay,
-            amax_history if replay is None else None, cache_rowwise, cache_columnwise,
-            cache_scale_inv, main_grad, a.scaling, a.fwd_format, a.grad_format, a.epsilon,
-            a.weight_cache, c.save_original_input, c.parallel_mode, c.sequence_parallel,
-            c.group_name, a.debug, a.need_dgrad, a.need_wgrad)
-        if a.weight_cache != _WEIGHT_CACHE_NONE:  # the cache is backward's FP8 weight
-            w_fp8, w_scale_inv = cache_columnwise, cache_scale_inv
-        ctx.save_for_backward(x if a.saves_input else None, x_fp8, x_scale_inv, weight, w_fp8,
-                              w_scale_inv)
-        ctx.state = (scale, grad_amax_history if a.records_grad_amax else None, main_grad)
-        ctx.config, ctx.args, ctx.x_shape, ctx.x_dtype = c, a, x.shape, x.dtype
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, x_fp8, x_scale_inv, weight, w_fp8, w_scale_inv = ctx.saved_tensors
-        scale, grad_amax_history, main_grad = ctx.state
-        c, a = ctx.config, ctx.args
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        if torch.is_grad_enabled():  # create_graph=True: a gradient of gradients
-            return _differentiable_backward(ctx, dy, x, weight)
-        dx, dw, db = torch.ops.tpfp8.linear_backward(
-            dy, x, x_fp8, x_scale_inv, weight, w_fp8, w_scale_inv, scale, grad_amax_history,
-            main_grad, a.main_grad_overwrite, a.scaling, a.fwd_format, a.grad_format,
-            a.epsilon, c.save_original_input, c.parallel_mode, c.sequence_parallel,
-            c.group_name, a.debug, ctx.x_shape, ctx.x_dtype,
-            ctx.bias_dtype if need_db else None, need_dx, need_dw or main_grad is not None)
-        return (dx if need_dx else None, dw if need_dw and main_grad is None else None,
-                db if need_db else None) + (None,) * 10
-
-
 def _moved(fn, t: torch.Tensor) -> torch.Tensor:
     """`t` after a module's `_apply(fn)`, moved but never converted to another dtype."""
     moved = fn(t)
@@ -542,28 +505,6 @@ def _moved(fn, t: torch.Tensor) -> torch.Tensor:
 def _refuse_under_compile(message: str) -> None:
     if torch.compiler.is_compiling():
         raise RuntimeError(message)
-
-
-def _differentiable_backward(ctx, dy, x, weight):
-    """The backward as differentiable torch ops, for gradients of gradients (a gradient
-    penalty): high precision on one device only -- an FP8 cast has no useful derivative, and
-    the collectives are not differentiable -- and a clear error otherwise, never a silently
-    detached dx."""
-    a = ctx.args
-    main_grad = ctx.state[2]
-    if a.scaling or ctx.config.parallel_mode or main_grad is not None:
-        used = ("FP8" if a.scaling else "tensor parallelism" if ctx.config.parallel_mode
-                else "fuse_wgrad_accumulation")
-        raise RuntimeError(
-            f"tpfp8.Linear supports double backward (create_graph=True) only in high precision "
-            f"on one device without fuse_wgrad_accumulation; this call used {used}. Run the "
-            f"layer outside fp8_autocast (and unsplit) for a gradient penalty")
-    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-    dy2 = dy.reshape(-1, weight.shape[0])
-    dx = dy2.mm(weight).to(ctx.x_dtype).reshape(ctx.x_shape) if need_dx else None
-    dw = (dy2.t().mm(x.reshape(-1, weight.shape[1])).to(weight.dtype) if need_dw else None)
-    db = dy2.sum(0).to(ctx.bias_dtype) if need_db else None
-    return (dx, dw, db) + (None,) * 10
 
 
 def swap_linear(model: nn.Module,
