@@ -1,6 +1,7 @@
 // The Linear's forward and backward (y = x W^T + b), registered as the schema-first ops
-// torch.ops.tpfp8.linear_forward / linear_backward (linear_ops.cpp). Python's autograd
-// Function (tpfp8/module.py) joins them; torch.compile sees two opaque ops with fake kernels.
+// torch.ops.tpfp8.linear_forward / linear_backward (linear_ops.cpp); the op
+// torch.ops.tpfp8.linear joins them with autograd (linear_autograd.cpp), and torch.compile
+// traces the two, opaque with their fake kernels, into its forward and backward graphs.
 //
 //   forward   x [.., K] -> x2 [M, K]; quantize x2 (row-wise, + column-wise if wgrad will need it)
 //             quantize W [N, K] (row-wise, + column-wise for dgrad) or take the cached FP8 W
