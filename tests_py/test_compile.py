@@ -51,10 +51,17 @@ def make(options, device):
 
 def with_main_grad(block):
     """Made outside the graph (see the error test), also for a copy (deepcopy drops it)."""
-    for layer in (block.fc1, block.fc2):
-        if layer.fuse_wgrad_accumulation:
+    for layer in block.modules():
+        if isinstance(layer, tpfp8.Linear) and layer.fuse_wgrad_accumulation:
             layer.weight.main_grad = torch.zeros_like(layer.weight, dtype=torch.float32)
     return block
+
+
+def compiled_twin(eager, **options):
+    """A copy of `eager` and its torch.compile (fullgraph; aot_eager unless told), afresh."""
+    torch._dynamo.reset()
+    model = with_main_grad(copy.deepcopy(eager))
+    return model, torch.compile(model, fullgraph=True, **{"backend": "aot_eager", **options})
 
 
 def step(model, x, recipe, first=None):
@@ -81,16 +88,14 @@ def test_compiled_equals_eager_with_no_graph_break(device, name, debug_rules):
     recipe, options, firsts, debug = CONFIGS[name]
     if debug:
         tpfp8.debug.initialize([{"layers": "fc", "features": debug}])
-    torch._dynamo.reset()
     eager = make(options, device)
-    model = with_main_grad(copy.deepcopy(eager))
+    _, compiled = compiled_twin(eager)
     x = torch.randn(16, 32, device=device)
     with tpfp8.fp8_autocast(enabled=recipe is not None, recipe=recipe):
         explained = torch._dynamo.explain(with_main_grad(copy.deepcopy(eager)))(
             x, firsts and firsts[0])
     assert explained.graph_break_count == 0 and explained.graph_count == 1, \
         explained.break_reasons
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     for i in range(3):
         first = firsts and firsts[i]
         before = len(tpfp8.debug.records())
@@ -116,10 +121,8 @@ def test_inductor_compiles_our_layers_bit_for_bit(device):
     """The default backend (inductor) around our ops changes none of their results. (Two
     layers back to back: an activation between them would be inductor's own kernel, whose
     rounding may differ from eager's.)"""
-    torch._dynamo.reset()
     eager = two_layers(device)
-    model = copy.deepcopy(eager)
-    compiled = torch.compile(model, fullgraph=True)
+    _, compiled = compiled_twin(eager, backend="inductor")
     x = torch.randn(16, 32, device=device)
     for i in range(3):
         got, want = step(compiled, x, DELAYED), step(eager, x, DELAYED)
@@ -140,11 +143,9 @@ def test_another_history_length_under_compile_then_equals_eager():
     """A recipe whose history length differs from the layer's state remakes the state inside
     the graph; after that first step (its gradient amax is not recorded there), compiled and
     eager steps agree again bit for bit."""
-    torch._dynamo.reset()
     recipe = tpfp8.DelayedScaling(amax_history_len=16)
     eager = make({}, "cpu")
-    model = copy.deepcopy(eager)
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    model, compiled = compiled_twin(eager)
     x = torch.randn(16, 32)
     step(compiled, x, recipe)
     step(eager, x, recipe)
@@ -165,10 +166,8 @@ def test_reduce_overhead_trains_like_eager(recipe):
     """mode="reduce-overhead" (CUDA graphs): the updates run at fp8_autocast's exit, outside
     the graphs, so replayed steps train exactly as eager ones, delayed scaling included (our
     layers back to back: inductor adds no kernel of its own)."""
-    torch._dynamo.reset()
     eager = two_layers("cuda")
-    model = copy.deepcopy(eager)
-    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    _, compiled = compiled_twin(eager, backend="inductor", mode="reduce-overhead")
     x = torch.randn(16, 32, device="cuda")
     for i in range(6):  # recorded, then replayed
         torch.compiler.cudagraph_mark_step_begin()
@@ -180,10 +179,8 @@ def test_reduce_overhead_trains_like_eager(recipe):
 def test_a_changed_setting_takes_effect_in_the_compiled_model():
     """A layer's config is one frozen value baked into the graph; setting an attribute makes a
     new one, and the compiled model retraces: gradients go to main_grad from then on."""
-    torch._dynamo.reset()
     eager = make({}, "cpu")
-    model = copy.deepcopy(eager)
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    model, compiled = compiled_twin(eager)
     x = torch.randn(16, 32)
     step(compiled, x, CURRENT)
     step(eager, x, CURRENT)
