@@ -556,6 +556,31 @@ def check_compiled_matches_eager(group):
         torch._dynamo.reset()
 
 
+def check_ddp_casts_with_rank0_state(group):
+    """Under DistributedDataParallel the FP8 state is buffers, broadcast from rank 0 at every
+    forward: each step's casts use the same scales on every rank, whatever each rank's data."""
+    torch.manual_seed(41)
+    model = torch.nn.Sequential(tpfp8.Linear(K, N, device=DEVICE), torch.nn.GELU(),
+                                tpfp8.Linear(N, K, device=DEVICE))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+    seen = []  # the state as the first layer's forward finds it (after DDP's broadcast)
+    model[0].register_forward_pre_hook(
+        lambda layer, args: seen.append([b.clone() for b in layer.buffers()]))
+    torch.manual_seed(300 + dist.get_rank())  # each rank its own data
+    for _ in range(3):
+        with tpfp8.fp8_autocast(recipe=tpfp8.DelayedScaling(amax_history_len=8)):
+            loss = ddp(torch.randn(S, K, device=DEVICE)).square().mean()
+        loss.backward()
+    global checks
+    for step, state in enumerate(seen):
+        for buffer in state:
+            checks += 1
+            assert len(set(gathered_scalars(float(buffer.double().sum())))) == 1, \
+                f"DDP ranks cast with different state at step {step}"
+    checks += 1
+    assert float(seen[-1][2].sum()) > 0, "no amax recorded: the check saw no state"
+
+
 def _mlp_step(model, x, recipe):
     x = x.clone().requires_grad_(True)
     with tpfp8.fp8_autocast(recipe=recipe):
@@ -574,7 +599,7 @@ def _cases():
         check_errors, check_fp8_gather, check_quantize_after_gather, check_debug_seed_case,
         check_debug_disable_fp8_gemm, check_deepcopy, check_checkpoint, check_nan_step,
         check_sharded_records_identical, check_double_backward_refused,
-        check_compiled_matches_eager)]
+        check_compiled_matches_eager, check_ddp_casts_with_rank0_state)]
     recipes = [None, tpfp8.DelayedScaling(amax_history_len=4), tpfp8.CurrentScaling()]
     for mode, sp, recipe, save_orig, bias in itertools.product(
             ("column", "row"), (False, True), recipes, (False, True), (True, False)):

@@ -28,11 +28,13 @@ def recipe_codes(recipe) -> tuple:
     return _DELAYED, int(fwd), int(grad), 0.0
 
 
-@functools.lru_cache(maxsize=None)
 def maxima(recipe: DelayedScaling) -> tuple:
     """The largest FP8 value of each of the three tensors' formats."""
     fwd, grad = recipe.formats
     return float(fwd.max), float(fwd.max), float(grad.max)
+
+
+_cached_maxima = functools.lru_cache(maxsize=None)(maxima)  # per step, outside any graph
 
 
 def fresh(recipe: DelayedScaling, device) -> tuple:
@@ -112,6 +114,6 @@ def update(layers: Iterable) -> None:
         batch[1].append(state["fp8_scale_inv"])
         batch[2].append(history)
         batch[3].append(state["fp8_grad_amax_history"])
-        batch[4].extend(maxima(recipe))
+        batch[4].extend(_cached_maxima(recipe))
     for (_, _, margin, algo, group), batch in batches.items():
         _C.update_layers(*batch, margin, algo == "max", "" if group is None else group.group_name)
