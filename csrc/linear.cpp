@@ -195,6 +195,18 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, const OptTensor
                     " but its weight is on ", weight.device(), "; move the input (or the module)");
   TORCH_CHECK_VALUE(!bias || bias->device() == weight.device(), "bias is on ", bias->device(),
                     " but the weight on ", weight.device());
+  const auto float_type = [](const at::Tensor& t) {
+    const at::ScalarType d = t.scalar_type();
+    return d == at::kFloat || d == at::kBFloat16 || d == at::kHalf;
+  };
+  TORCH_CHECK_VALUE(float_type(weight) && (!bias || float_type(*bias)),
+                    "Linear weight and bias must be float32, bfloat16 or float16, got ",
+                    weight.scalar_type(), bias ? " and " : "",
+                    bias ? c10::toString(bias->scalar_type()) : "");
+  TORCH_CHECK_VALUE(!bias || (bias->dim() == 1 && bias->size(0) == n), "bias must be [", n,
+                    "], got shape ", bias ? bias->sizes() : at::IntArrayRef());
+  TORCH_CHECK_VALUE(c.weight_cache == WeightCache::kNone || c.fp8(),
+                    "the FP8 weight cache (is_first_microbatch) needs FP8 (fp8_autocast)");
   TORCH_CHECK_VALUE(
       c.parallel_mode == ParallelMode::kNone ? !c.sequence_parallel : bool(c.tp_group),
       "tensor parallelism needs tp_group, and sequence_parallel needs a parallel_mode");
@@ -210,9 +222,18 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, const OptTensor
                       "moves between forward and backward, so re-quantizing would not reproduce "
                       "the forward's FP8 input; use tpfp8.CurrentScaling() or "
                       "save_original_input=False");
-    TORCH_CHECK_VALUE(c.weight_cache == WeightCache::kNone || cache.rowwise.defined(),
+    TORCH_CHECK_VALUE(c.weight_cache != WeightCache::kReuse || cache.rowwise.defined(),
                       "is_first_microbatch=False needs an earlier call with "
                       "is_first_microbatch=True to cache the FP8 weight");
+    TORCH_CHECK_VALUE(
+        c.weight_cache == WeightCache::kNone ||
+            (cache.rowwise.sizes() == weight.sizes() && cache.columnwise.defined() &&
+             cache.columnwise.sizes() == at::IntArrayRef({k, n}) && cache.scale_inv.defined() &&
+             cache.scale_inv.numel() == 1 && cache.rowwise.scalar_type() == at::kByte &&
+             cache.columnwise.scalar_type() == at::kByte &&
+             cache.scale_inv.scalar_type() == at::kFloat),
+        "the FP8 weight cache needs uint8 [", n, ", ", k, "] and [", k, ", ", n,
+        "] buffers and a float32 scale_inv [1]");
     TORCH_CHECK_VALUE(
         c.scaling != Scaling::kDelayed || (state.scale.defined() && state.scale.numel() == 3 &&
                                            state.scale.device() == weight.device()),

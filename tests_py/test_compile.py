@@ -109,6 +109,7 @@ def test_compiled_equals_eager_with_no_graph_break(device, name, debug_rules):
         # Debug reports: the same from the compiled step as from the eager one.
         assert records[before:middle] == records[middle:]
         assert (middle > before) == bool(debug and "log_stats" in debug)
+        tpfp8.debug.step()
 
 
 def two_layers(device):
@@ -193,3 +194,20 @@ def test_a_changed_setting_takes_effect_in_the_compiled_model():
         assert (a is None and b is None) or torch.equal(a, b)
     weight_grad, main_grad = got[2:4]  # fc1.weight's (step() lists y, dx, then per parameter)
     assert weight_grad is None and bool(main_grad.any())
+
+
+def test_debug_steps_reuse_their_graphs(debug_rules):
+    """Debug options are worked out per step outside the graph: a rule active every other step
+    gives two graphs, reused, not one per step (which would hit dynamo's recompile limit)."""
+    from torch._dynamo.utils import counters
+    tpfp8.debug.initialize([{"layers": "fc1", "freq": 2, "features": {
+        "disable_fp8_gemm": {"gemms": ["wgrad"]}}}])
+    eager = make({}, "cpu")
+    _, compiled = compiled_twin(eager)
+    counters.clear()
+    x = torch.randn(16, 32)
+    for i in range(6):
+        for a, b in zip(step(compiled, x, CURRENT), step(eager, x, CURRENT)):
+            assert (a is None and b is None) or torch.equal(a, b), f"step {i}"
+        tpfp8.debug.step()
+    assert counters["stats"]["unique_graphs"] == 2

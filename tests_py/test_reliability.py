@@ -505,3 +505,53 @@ def test_reload_writes_into_the_live_state_tensors():
     now = lin.state_dict()["_extra_state"]["forward"]["scale"]
     assert now.data_ptr() == live.data_ptr()
     assert torch.equal(live, saved["_extra_state"]["forward"]["scale"])
+
+
+# ---- state made with the layer: initialisation paths, moves, argument checks --------------
+
+def test_uninitialised_construction_gets_fresh_fp8_state():
+    """skip_init / meta + to_empty leave the parameters to a checkpoint; the FP8 state of a
+    layer that has run no FP8 step is made fresh on the new device, never left as garbage."""
+    plain = nn.Linear(32, 32)
+    lin = torch.nn.utils.skip_init(tpfp8.Linear, 32, 32)
+    lin.load_state_dict(plain.state_dict())
+    assert torch.equal(lin.fp8_scale, torch.ones(3)) and not lin.fp8_amax_history.any()
+    with torch.device("meta"):
+        deferred = tpfp8.Linear(32, 32)
+    deferred.load_state_dict(plain.state_dict(), assign=True)  # the buffers stay on "meta"
+    x = torch.randn(4, 32)
+    with tpfp8.fp8_autocast():
+        y, want = deferred(x), lin(x)
+    assert torch.equal(y, want) and deferred.fp8_scale.device.type == "cpu"
+
+
+def test_moves_that_swap_parameters_keep_main_grad():
+    lin = tpfp8.Linear(32, 32, fuse_wgrad_accumulation=True)
+    lin.weight.main_grad = torch.full((32, 32), 2.0)
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        lin.to(torch.bfloat16)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    assert torch.equal(lin.weight.main_grad, torch.full((32, 32), 2.0))
+
+
+def test_fp8_weight_of_another_dtype_is_refused_before_any_amax():
+    lin = tpfp8.Linear(32, 32, dtype=torch.float64)
+    with tpfp8.fp8_autocast(), pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        lin(torch.randn(4, 32))
+    assert not lin.fp8_amax_history.any()
+
+
+def test_weight_cache_arguments_are_checked_not_trusted():
+    """The op is public: a weight-cache mode without its buffers is a ValueError, not a crash."""
+    x, w = torch.randn(4, 32), torch.randn(32, 32)
+    plain = (None,) * 8
+    for scaling in (0, 2):
+        with pytest.raises(ValueError, match="weight cache"):
+            torch.ops.tpfp8.linear(x, w, None, *plain, scaling, 0, 1, 0.0, 1, False, 0, False,
+                                   "", [], False, True, True, True)
+    rowwise = torch.empty(32, 32, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="weight cache"):
+        torch.ops.tpfp8.linear(x, w, None, None, None, None, None, rowwise, None, None, None,
+                               2, 0, 1, 0.0, 2, False, 0, False, "", [], False, True, True, True)

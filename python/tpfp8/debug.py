@@ -70,10 +70,12 @@ class _State:
     log_dir = None
     records = []
     matching = {}  # layer name -> matching rules at the current step (a step's regex searches)
+    options = {}  # layer handle -> its options at the current step (see options_for)
 
 
 _layers = weakref.WeakValueDictionary()  # handle -> layer (Linear.__init__ registers each)
 _handles = itertools.count()
+_UNKNOWN = object()
 
 
 def _names(value, allowed, what, where):
@@ -138,7 +140,7 @@ def initialize(config, log_dir: Optional[str] = None) -> None:
         raise ValueError("a debug config is a list of rules, or a dict with 'rules': [...]")
     _State.rules = [_parse_rule(r, i) for i, r in enumerate(rules)]
     _State.step, _State.log_dir, _State.records = 0, log_dir, []
-    _State.matching = {}
+    _work_out_options()
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
 
@@ -146,12 +148,13 @@ def initialize(config, log_dir: Optional[str] = None) -> None:
 def step() -> None:
     """Advances the debug step counter (call once per training step)."""
     _State.step += 1
-    _State.matching = {}
+    _work_out_options()
 
 
 def shutdown() -> None:
     """Deactivates debugging; layers run the normal path again."""
     _State.rules = None
+    _work_out_options()
 
 
 def records() -> list:
@@ -163,7 +166,15 @@ def register(layer) -> int:
     """A handle for `layer`, by which the ops' reports find it (weakly held)."""
     handle = next(_handles)
     _layers[handle] = layer
+    if _State.rules:  # now, not inside a compiled forward (whose graph would guard the step)
+        _State.options[handle] = _options(layer, handle)
     return handle
+
+
+def renamed(layer) -> None:
+    """`layer.name` changed: its options follow now (the rules select layers by name)."""
+    if _State.rules:
+        _State.options[layer._debug_handle] = _options(layer, layer._debug_handle)
 
 
 def _rules_for(layer) -> list:
@@ -177,9 +188,18 @@ def _rules_for(layer) -> list:
 def options_for(layer) -> Optional[tuple]:
     """The debug options of `layer` at the current step as the ops take them -- (hp_fprop,
     hp_dgrad, hp_wgrad, fake activation, fake weight, fake gradient format or -1, the layer's
-    handle when it logs, else -1) -- or None when no rule applies."""
+    handle when it logs, else -1) -- or None when no rule applies. Worked out once per step,
+    outside any compiled graph (`step`): a graph then depends on this value alone, not on the
+    step counter, and is reused while the value stays the same."""
     if not _State.rules:
         return None
+    options = _State.options.get(layer._debug_handle, _UNKNOWN)
+    if options is _UNKNOWN:  # a layer made since the step began
+        options = _State.options[layer._debug_handle] = _options(layer, layer._debug_handle)
+    return options
+
+
+def _options(layer, handle: int) -> Optional[tuple]:
     rules = _rules_for(layer)
     if not rules:
         return None
@@ -190,7 +210,16 @@ def options_for(layer) -> Optional[tuple]:
     logs = any(r.log for r in rules)
     return (int("fprop" in hp), int("dgrad" in hp), int("wgrad" in hp),
             *(int(fake[t]) if t in fake else -1 for t in TENSORS),
-            layer._debug_handle if logs else -1)
+            handle if logs else -1)
+
+
+def _work_out_options() -> None:
+    """Every live layer's options for the new step (the same dict object, updated)."""
+    _State.matching = {}
+    _State.options.clear()
+    if _State.rules:
+        for handle, layer in list(_layers.items()):
+            _State.options[handle] = _options(layer, handle)
 
 
 def _report(handle, gemm, tensor, used, original, scale_inv, fmt) -> None:

@@ -261,6 +261,8 @@ class Linear(nn.Module):
         super().__setattr__(name, value)
         if name in _SETTINGS and "_config" in self.__dict__:  # takes effect at the next call
             self._config = self._make_config()
+        if name == "name" and "_debug_handle" in self.__dict__:
+            _debug.renamed(self)
 
     def _make_config(self) -> "LinearConfig":
         group = self.tp_group.group_name if self.parallel_mode else ""
@@ -274,7 +276,11 @@ class Linear(nn.Module):
         ``weight.main_grad`` (like ``.grad``) and the parameters' tensor-parallel attributes.
         The cached FP8 weight is dropped if the weight changed: the next
         ``is_first_microbatch=True`` call refills it."""
-        before, params = self._weight_identity(), (self.weight, self.bias)
+        before = self._weight_identity()
+        # Read before the move: torch may swap the parameters' contents (swap_tensors), and
+        # what was set on them with it.
+        carried = [{attr: getattr(p, attr) for attr in _CARRIED if hasattr(p, attr)}
+                   for p in (self.weight, self.bias)]
         kept = {name: self._buffers[name] for name in _FP32_STATE}  # moved, never converted
         self._buffers.update(dict.fromkeys(_FP32_STATE))
         try:
@@ -282,14 +288,13 @@ class Linear(nn.Module):
         finally:
             for name, t in kept.items():
                 self._buffers[name] = None if t is None else _moved(fn, t)
-        # torch makes new Parameter objects for some moves (to or from "meta", or with
-        # torch.__future__'s overwrite flag): what was set on the old ones is carried over.
         device = self.weight.device
-        for old, new in zip(params, (self.weight, self.bias)):
-            for attr in ("tensor_model_parallel", "partition_dim", "main_grad"):
-                value = getattr(old, attr, None)
-                if new is not None and value is not None:
-                    setattr(new, attr, value.to(device) if attr == "main_grad" else value)
+        if self._fp8_recipe is None:  # no step yet: nothing to keep (to_empty gives garbage)
+            self._keep_state(_scaling.fresh(DelayedScaling(), device))
+        for param, attrs in zip((self.weight, self.bias), carried):
+            for attr, value in attrs.items():
+                if param is not None:
+                    setattr(param, attr, value.to(device) if attr == "main_grad" else value)
         if self._weight_identity() != before:
             self._keep_weight_cache((None, None, None))
         return self
@@ -382,6 +387,8 @@ class Linear(nn.Module):
         mine = self._state()
         if self._fp8_recipe is recipe and mine[0].device == device:  # (every step after the first)
             return mine, False
+        if self._fp8_recipe is None and mine[0].device != device:  # (e.g. left on "meta")
+            return _scaling.fresh(recipe, device), True
         adopted = _scaling.adopted(mine, self._fp8_recipe or recipe, recipe, device)
         return adopted, any(a is not b for a, b in zip(adopted, mine))
 
@@ -437,6 +444,9 @@ class Linear(nn.Module):
 
 _WEIGHT_CACHE_NONE, _WEIGHT_CACHE_FILL, _WEIGHT_CACHE_REUSE = (
     int(_C.WeightCache.NONE), int(_C.WeightCache.FILL), int(_C.WeightCache.REUSE))
+
+# What a parameter carries beside its data, kept through moves.
+_CARRIED = ("tensor_model_parallel", "partition_dim", "main_grad")
 
 # Buffers that stay float32 whatever the parameters become.
 _STATE = ("fp8_scale", "fp8_scale_inv", "fp8_amax_history", "fp8_grad_amax_history")
