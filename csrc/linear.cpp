@@ -188,17 +188,17 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, const OptTensor
   TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == k, "Linear expects input [..., in_features=", k,
                     row ? " per rank" : "", "], got shape ", x.sizes(),
                     "; the last dimension must be in_features");
-  const at::ScalarType dtype = x.scalar_type();
-  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-                    "Linear input must be float32, bfloat16 or float16, got ", dtype);
-  TORCH_CHECK_VALUE(x.device() == weight.device(), "Linear input is on ", x.device(),
-                    " but its weight is on ", weight.device(), "; move the input (or the module)");
-  TORCH_CHECK_VALUE(!bias || bias->device() == weight.device(), "bias is on ", bias->device(),
-                    " but the weight on ", weight.device());
   const auto float_type = [](const at::Tensor& t) {
     const at::ScalarType d = t.scalar_type();
     return d == at::kFloat || d == at::kBFloat16 || d == at::kHalf;
   };
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK_VALUE(float_type(x), "Linear input must be float32, bfloat16 or float16, got ",
+                    dtype);
+  TORCH_CHECK_VALUE(x.device() == weight.device(), "Linear input is on ", x.device(),
+                    " but its weight is on ", weight.device(), "; move the input (or the module)");
+  TORCH_CHECK_VALUE(!bias || bias->device() == weight.device(), "bias is on ", bias->device(),
+                    " but the weight on ", weight.device());
   TORCH_CHECK_VALUE(float_type(weight) && (!bias || float_type(*bias)),
                     "Linear weight and bias must be float32, bfloat16 or float16, got ",
                     weight.scalar_type(), bias ? " and " : "",
@@ -495,6 +495,9 @@ Grads linear_backward(const at::Tensor& dy_in, const SavedForBackward& s, const 
     out.db = dy.sum(0, false, at::kFloat);
     if (gathers_grad(c)) all_reduce(out.db, *c.tp_group, c10d::ReduceOp::SUM);
     out.db = out.db.to(*bias_dtype);
+  }
+  for (at::Tensor* t : {&out.dx, &out.dw, &out.db}) {  // (as forward's: ops return tensors)
+    if (!t->defined()) *t = nothing(dy, dy.scalar_type());
   }
   return out;
 }

@@ -154,7 +154,8 @@ struct SavedForBackward {
   at::ScalarType x_dtype;
 };
 struct Grads {
-  at::Tensor dx, dw, db;  // undefined where not asked for (dw: also when fused into main_grad)
+  // Empty placeholders where not asked for (dw: also when fused into main_grad).
+  at::Tensor dx, dw, db;
 };
 // main_grad, when given, receives wgrad (overwritten or accumulated); else dW is returned.
 Grads linear_backward(const at::Tensor& dy, const SavedForBackward& saved, const at::Tensor& weight,

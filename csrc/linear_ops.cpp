@@ -9,10 +9,6 @@
 namespace tpfp8 {
 namespace {
 
-at::Tensor or_nothing(const at::Tensor& t, const at::Tensor& like) {
-  return t.defined() ? t : at::empty({0}, like.options());
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_op(
     const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, const OptTensor& scale,
     const OptTensor& amax_history, const OptTensor& cache_rowwise,
@@ -48,7 +44,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_op(
       x, x_fp8, x_scale_inv, w_fp8, w_scale_inv, C10_AS_INTARRAYREF_SLOW(x_shape).vec(), x_dtype};
   const Grads g = linear_backward(dy, saved, weight, c, state, main_grad, main_grad_overwrite,
                                   need_dgrad, need_wgrad, bias_dtype);
-  return {or_nothing(g.dx, dy), or_nothing(g.dw, dy), or_nothing(g.db, dy)};
+  return {g.dx, g.dw, g.db};
 }
 
 }  // namespace

@@ -61,17 +61,14 @@ void update_delayed(const std::vector<at::Tensor>& histories, const std::vector<
     at::_foreach_copy_(newest, amax.split_with_sizes(c10::fmap(
                                    newest, [](const at::Tensor& t) { return t.size(0); })));
   }
-  // Named as the op, so that profiles (and tests) count the launches.
-  RECORD_FUNCTION("tpfp8::delayed_scaling_update_many", std::vector<c10::IValue>());
-  if (amax_group) {
-    delayed_scaling_update_many(histories, scales, scale_invs, fp8_max, margin, use_history_max);
-    return;
-  }
   // Two threads stepping one layer update it one at a time (the CPU reference rolls the
   // history on the host). Not under an amax group: holding a lock across a collective could
   // deadlock against another rank's order.
   static std::mutex mutex;
-  const std::lock_guard<std::mutex> lock(mutex);
+  std::unique_lock<std::mutex> lock(mutex, std::defer_lock);
+  if (!amax_group) lock.lock();
+  // Named as the op, so that profiles (and tests) count the launches.
+  RECORD_FUNCTION("tpfp8::delayed_scaling_update_many", std::vector<c10::IValue>());
   delayed_scaling_update_many(histories, scales, scale_invs, fp8_max, margin, use_history_max);
 }
 

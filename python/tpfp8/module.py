@@ -281,16 +281,18 @@ class Linear(nn.Module):
         # what was set on them with it.
         carried = [{attr: getattr(p, attr) for attr in _CARRIED if hasattr(p, attr)}
                    for p in (self.weight, self.bias)]
-        kept = {name: self._buffers[name] for name in _FP32_STATE}  # moved, never converted
+        # Moved, never converted; remade instead when no FP8 step has run (nothing to keep).
+        moved = _FP32_STATE if self._fp8_recipe is not None else _FP32_STATE[len(_STATE):]
+        kept = {name: self._buffers[name] for name in moved}
         self._buffers.update(dict.fromkeys(_FP32_STATE))
         try:
             super()._apply(fn, *args, **kwargs)
         finally:
             for name, t in kept.items():
                 self._buffers[name] = None if t is None else _moved(fn, t)
+            if self._fp8_recipe is None:  # (moving it would copy, to_empty would give garbage)
+                self._keep_state(_scaling.fresh(DelayedScaling(), self.weight.device))
         device = self.weight.device
-        if self._fp8_recipe is None:  # no step yet: nothing to keep (to_empty gives garbage)
-            self._keep_state(_scaling.fresh(DelayedScaling(), device))
         for param, attrs in zip((self.weight, self.bias), carried):
             for attr, value in attrs.items():
                 if param is not None:
@@ -334,9 +336,10 @@ class Linear(nn.Module):
             bias_out, bias = bias, None
         call = self._prepare(config, recipe, frame, x, param, is_first_microbatch)
         a = call.args
+        scale, _, amax_history, grad_amax_history = call.state or (None,) * len(_STATE)
         y = torch.ops.tpfp8.linear(
-            x, weight, bias, call.scale, call.amax_history,
-            call.grad_amax_history if a.records_grad_amax else None, call.replay,
+            x, weight, bias, scale, amax_history,
+            grad_amax_history if a.records_grad_amax else None, call.replay,
             *call.weight_cache, call.main_grad, a.scaling, a.fwd_format, a.grad_format,
             a.epsilon, a.weight_cache, config.save_original_input, config.parallel_mode,
             config.sequence_parallel, config.group_name, a.debug, a.main_grad_overwrite,
@@ -352,7 +355,6 @@ class Linear(nn.Module):
         call = _Call(args=None)
         if delayed:
             call.state, call.new_state = self._delayed_state(recipe, x.device)
-            call.scale, _, call.amax_history, call.grad_amax_history = call.state
             call.replay = _autocast.replayed_scales(frame, self)
             call.amax_group = _parallel.amax_group_for(self.tp_group, config.sequence_parallel,
                                                        frame["amax_group"])
@@ -495,9 +497,6 @@ class _Call:
     args: Optional[_CallArgs]
     state: Optional[tuple] = None  # the `_STATE` tensors, under delayed scaling
     new_state: bool = False
-    scale: Optional[torch.Tensor] = None
-    amax_history: Optional[torch.Tensor] = None
-    grad_amax_history: Optional[torch.Tensor] = None
     replay: Optional[torch.Tensor] = None  # a checkpoint recompute's forward scales
     amax_group: Optional[object] = None
     weight_cache: tuple = (None, None, None)
