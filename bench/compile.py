@@ -7,6 +7,7 @@ speed-up is against the FASTER of the two bf16 variants at that size.
   python bench/compile.py                               # hidden 1024, 4096, 8192; 8192 tokens
   python bench/compile.py --hidden 4096 --cases tpfp8,bf16
   python bench/compile.py --device cpu --hidden 64 --tokens 128 --reps 2   # smoke run
+  python bench/compile.py --hidden 1024 --cases tpfp8 --profile reduce-overhead
 
 Every model is a copy of one bf16 model (bf16 parameters, as bench/linear.py holds them: fp32
 master weights live in the optimizer; bf16 activations and gradients). The tpfp8 models are
@@ -252,6 +253,10 @@ def run_size(tokens, hidden, args, cases):
             results[name]["ms"] = ms if prev is None else min(prev, ms)
         print(f"  round {rnd + 1}/{args.rounds} done", flush=True)
 
+    if args.profile:
+        for name in [n for n in live if any(k in n for k in args.profile.split(","))]:
+            profile_case(name, live[name][0], device, args.out, hidden)
+
     # One more step each: its output against bf16 eager's, and delayed scaling's state.
     ref_y = None
     for name in ["bf16 eager"] + [n for n in live if n != "bf16 eager"]:
@@ -285,6 +290,32 @@ def run_size(tokens, hidden, args, cases):
         torch.cuda.empty_cache()
     return {"tokens": tokens, "hidden": hidden, "ffn": 4 * hidden,
             "baseline": baseline, "baseline_ms": base_ms, "cases": results}
+
+
+def profile_case(name, step, device, out, hidden, steps=5):
+    """torch.profiler over `steps` steps of a case: its kernels by GPU time, and the host's
+    wall time per step beside the GPU's busy time (which of the two bounds the step)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    sync(device)
+    with torch.profiler.profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        host_ms = (time.perf_counter() - t0) * 1e3 / steps
+        sync(device)
+    events = prof.key_averages()
+    busy_us = sum(e.self_device_time_total for e in events
+                  if e.device_type == torch.autograd.DeviceType.CUDA)
+    text = (f"profile of '{name}' at hidden {hidden}: host {host_ms:.3f} ms/step to issue, GPU "
+            f"busy {busy_us / 1e3 / steps:.3f} ms/step\n" +
+            events.table(sort_by="self_device_time_total" if len(activities) > 1
+                         else "self_cpu_time_total", row_limit=30))
+    print(text, flush=True)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"profile_{hidden}_{name.replace(' ', '_')}.txt"), "w") as f:
+        f.write(text)
 
 
 def cell(r):
@@ -339,6 +370,9 @@ def main(argv=None):
     parser.add_argument("--cases", default=None,
                         help="comma-separated substrings: run only the cases whose name holds "
                              "one (bf16 cases are always run: they are the baseline)")
+    parser.add_argument("--profile", default=None,
+                        help="comma-separated substrings: after timing, print (and save in --out) "
+                             "a torch.profiler table of 5 steps of each matching case")
     args = parser.parse_args(argv)
     sizes = parse_shapes(args.shapes) or [(args.tokens, int(h)) for h in args.hidden.split(",")]
     cases = CASES
