@@ -89,10 +89,8 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "all_gather_fp8",
       [](const at::Tensor& local, Fp8Format format, const std::string& group_name) {
-        QuantizerSpec spec;
-        spec.scaling = Scaling::kCurrent;
-        spec.format = format;
-        const Fp8Tensor q = all_gather_fp8(local, spec, c10d::resolve_process_group(group_name));
+        const Fp8Tensor q = all_gather_fp8(local, CurrentScalingQuantizer(format, 0.0),
+                                           c10d::resolve_process_group(group_name));
         return std::make_tuple(q.rowwise, q.scale_inv);
       },
       py::arg("local"), py::arg("format"), py::arg("group_name"),

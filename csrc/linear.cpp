@@ -12,38 +12,6 @@
 namespace tpfp8 {
 namespace {
 
-int64_t gemm_code(const at::Tensor& t) {
-  const at::ScalarType d = t.scalar_type();
-  return static_cast<int64_t>(d == at::kBFloat16 ? GemmType::kBFloat16
-                              : d == at::kHalf   ? GemmType::kFloat16
-                                                 : GemmType::kFloat32);
-}
-int64_t gemm_code(Fp8Format f) { return static_cast<int64_t>(gemm_type(f)); }
-
-// Column-wise FP8 data [rows, M] contracted over M in wgrad: zero codes pad M to a multiple
-// of 16, which adds exact zeros to the sum. No copy when M is already aligned.
-at::Tensor pad_contracted(const at::Tensor& t) {
-  const int64_t pad = (kFp8Multiple - t.size(1) % kFp8Multiple) % kFp8Multiple;
-  return pad == 0 ? t : at::constant_pad_nd(t, {0, pad}, 0);
-}
-
-// A GEMM operand as the GEMM reads it: FP8 codes with their scale_inv, or high-precision
-// values, stored [rows, K] or (transposed, high precision only) [K, rows].
-struct Operand {
-  at::Tensor data;
-  OptTensor scale_inv;
-  int64_t type = 0;
-  bool transposed = false;
-};
-
-Operand rowwise(const Fp8Tensor& q) { return {q.rowwise, q.scale_inv, gemm_code(q.format)}; }
-Operand columnwise(const Fp8Tensor& q) {
-  return {pad_contracted(q.columnwise), q.scale_inv, gemm_code(q.format)};
-}
-Operand high_precision(const at::Tensor& t, bool transposed = false) {
-  return {t, std::nullopt, gemm_code(t), transposed};
-}
-
 // out = A . B^T (+ bias) (+ out)
 at::Tensor run_gemm(const Operand& a, const Operand& b, at::Tensor out, const OptTensor& bias,
                     bool fast_accum, bool accumulate = false) {
@@ -61,49 +29,7 @@ at::Tensor shaped(const at::Tensor& t, at::IntArrayRef shape) {
   return t.sizes() == shape ? t : t.view(shape);
 }
 
-// Current scaling of a tensor that is split across the group: the amax is all-reduced (MAX)
-// first, so every rank computes the scale of the whole tensor.
-QuantizerSpec with_group_amax(QuantizerSpec spec, const ProcessGroupPtr& group) {
-  if (spec.scaling == Scaling::kCurrent) {
-    spec.reduce_amax = [group](at::Tensor& amax) { all_reduce(amax, *group, c10d::ReduceOp::MAX); };
-  }
-  return spec;
-}
-
-// The function debug reports go to (set by tpfp8.debug); kept until process exit.
-using DebugLogger =
-    std::function<void(int64_t, const std::string&, const std::string&, const at::Tensor&,
-                       const at::Tensor&, const at::Tensor&, int64_t)>;
-DebugLogger& debug_logger() {
-  static DebugLogger* logger = new DebugLogger();
-  return *logger;
-}
-
 }  // namespace
-
-void set_debug_logger(DebugLogger logger) { debug_logger() = std::move(logger); }
-
-DebugOptions debug_options(at::IntArrayRef packed) {
-  DebugOptions d;
-  if (packed.empty()) return d;
-  TORCH_CHECK(packed.size() == 7, "debug options are [] or 7 values, got ", packed.size());
-  d.active = true;
-  d.hp_fprop = packed[0] != 0;
-  d.hp_dgrad = packed[1] != 0;
-  d.hp_wgrad = packed[2] != 0;
-  d.fake_activation = packed[3];
-  d.fake_weight = packed[4];
-  d.fake_gradient = packed[5];
-  const int64_t handle = packed[6];
-  if (handle >= 0) {
-    d.log = [handle](const std::string& gemm, const std::string& tensor, const at::Tensor& used,
-                     const at::Tensor& original, const at::Tensor& scale_inv, int64_t format) {
-      const DebugLogger& logger = debug_logger();
-      if (logger) logger(handle, gemm, tensor, used, original, scale_inv, format);
-    };
-  }
-  return d;
-}
 
 LinearConfig linear_config(int64_t scaling, int64_t fwd_format, int64_t grad_format, double epsilon,
                            int64_t weight_cache, bool save_original_input, int64_t parallel_mode,
@@ -135,17 +61,18 @@ LinearConfig linear_config(int64_t scaling, int64_t fwd_format, int64_t grad_for
 
 namespace {
 
-// How the layer's tensor `role` is quantized under `c`, with `state`'s scale and amax slot.
-QuantizerSpec quantizer(const LinearConfig& c, const DelayedState& state, Role role) {
-  QuantizerSpec q;
-  q.scaling = c.scaling;
-  q.format = role == kGrad ? c.grad_format : c.fwd_format;
-  q.epsilon = c.epsilon;
+// The quantizer of the layer's tensor `role` under `c`, with `state`'s scale and amax slot:
+// null in high precision, wrapped in a DebugQuantizer while debugging.
+std::unique_ptr<Quantizer> make_quantizer(const LinearConfig& c, const DelayedState& state,
+                                          Role role) {
+  std::unique_ptr<Quantizer> q;
+  const Fp8Format format = role == kGrad ? c.grad_format : c.fwd_format;
   if (c.scaling == Scaling::kDelayed) {
-    q.scale = state.scale.narrow(0, role, 1);
-    const at::Tensor& history = role == kGrad ? state.grad_amax_history : state.amax_history;
-    if (history.defined()) q.amax = history.select(0, role == kGrad ? 0 : role).narrow(0, 0, 1);
+    q = std::make_unique<DelayedScalingQuantizer>(format, state, role);
+  } else if (c.scaling == Scaling::kCurrent) {
+    q = std::make_unique<CurrentScalingQuantizer>(format, c.epsilon);
   }
+  if (c.debug.active) q = std::make_unique<DebugQuantizer>(std::move(q), role, c.debug);
   return q;
 }
 
@@ -166,8 +93,6 @@ int64_t output_dim0(int64_t x_dim0, const LinearConfig& c) {
 bool saves_hp_input(const LinearConfig& c) {
   return !c.fp8() || c.save_original_input || c.debug.active;
 }
-// Debugging gathers and quantizes whole tensors: statistics and usages are of what the GEMMs see.
-bool quantizes_after_gather(const LinearConfig& c) { return c.debug.active; }
 // Column-parallel SP in FP8 keeps this rank's row-wise input bytes and re-gathers them.
 bool keeps_local_fp8_input(const LinearConfig& c) { return gathers_input(c) && !saves_hp_input(c); }
 
@@ -261,128 +186,92 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, const OptTensor
 
 namespace {
 
-Fp8Tensor weight_fp8(const at::Tensor& weight, const LinearConfig& c, const DelayedState& state,
+Fp8Tensor weight_fp8(const at::Tensor& weight, const Quantizer& q, const LinearConfig& c,
                      const WeightCacheBuffers& cache, bool columnwise) {
   const Fp8Tensor cached{cache.rowwise, cache.columnwise, cache.scale_inv, c.fwd_format};
   if (c.weight_cache == WeightCache::kReuse) return cached;
   const bool fill = c.weight_cache == WeightCache::kFill;
-  return quantize(weight.contiguous(), quantizer(c, state, kWeight), true, columnwise || fill,
-                  fill ? &cached : nullptr);
+  return q.quantize(weight.contiguous(), true, columnwise || fill, fill ? &cached : nullptr);
 }
 
-// A tensor made ready for its GEMMs: its FP8 form and, where kept, the whole high-precision
-// tensor (high-precision runs, re-quantization, debugging).
-struct Prepared {
-  at::Tensor hp;
-  Fp8Tensor q;
-};
-
-// One operand of a GEMM: the tensor, and whether the GEMM reads it column-wise (contracting
-// over its rows) -- as FP8 codes, or in high precision when the GEMM runs there (debug).
+// One operand of a GEMM: the tensor, its quantizer (null: high precision), and whether the
+// GEMM reads it column-wise (contracting over its rows).
 struct Use {
-  const char* tensor;  // "activation", "weight", "gradient"
   const Prepared* t;
+  const Quantizer* q;
   bool columnwise;
-  int64_t fake;  // fake_quant format or -1
 };
 
-at::Tensor fake_quantize(const at::Tensor& hp, int64_t format) {
-  QuantizerSpec spec;
-  spec.scaling = Scaling::kCurrent;
-  spec.format = static_cast<Fp8Format>(format);
-  const Fp8Tensor q = quantize(hp.contiguous(), spec, true, false);
-  at::Tensor out = at::empty(hp.sizes(), hp.options().dtype(at::kFloat));
-  dequantize(q.rowwise, q.scale_inv, format, out);
-  return out;
-}
-
-// The two operands of `gemm`, with the debug options applied and reported.
-std::pair<Operand, Operand> operands(const char* gemm, const Use& a, const Use& b, bool fp8,
-                                     bool hp_gemm, const DebugOptions& d,
-                                     at::ScalarType compute_dtype) {
-  const bool high = !fp8 || hp_gemm || a.fake >= 0 || b.fake >= 0;
-  auto one = [&](const Use& u) {
-    if (high) {
-      const at::Tensor used =
-          (u.fake >= 0 ? fake_quantize(u.t->hp, u.fake) : u.t->hp).to(compute_dtype).contiguous();
-      if (d.log) d.log(gemm, u.tensor, used.to(at::kFloat), u.t->hp, at::Tensor(), u.fake);
-      return high_precision(used, u.columnwise);
-    }
-    const Fp8Tensor& q = u.t->q;
-    if (d.log) {
-      const at::Tensor& codes = u.columnwise ? q.columnwise : q.rowwise;
-      at::Tensor used = at::empty(codes.sizes(), codes.options().dtype(at::kFloat));
-      dequantize(codes, q.scale_inv, static_cast<int64_t>(q.format), used);
-      d.log(gemm, u.tensor, u.columnwise ? used.t() : used, u.t->hp, q.scale_inv,
-            static_cast<int64_t>(q.format));
-    }
-    return u.columnwise ? columnwise(q) : rowwise(q);
+// The two operands of `gemm`: FP8 unless either tensor's quantizer asks for high precision.
+std::pair<Operand, Operand> operands(Gemm gemm, const Use& a, const Use& b, at::ScalarType dtype) {
+  const auto high = [gemm](const Use& u) { return !u.q || u.q->needs_high_precision(gemm); };
+  const bool hp = high(a) || high(b);
+  const auto one = [&](const Use& u) {
+    return u.q ? u.q->operand(gemm, *u.t, u.columnwise, hp, dtype)
+               : high_precision_operand(u.t->hp, dtype, u.columnwise);
   };
   return {one(a), one(b)};
 }
 
-// 1. The input of fprop: quantized, and gathered along rows under column-parallel SP; what
-//    wgrad will need goes to `out`.
-Prepared prepare_input(const at::Tensor& x2, const LinearConfig& c, const DelayedState& state,
+// 1. The input of fprop: quantized by `q`, and gathered along rows under column-parallel SP;
+//    what wgrad will need goes to `out`.
+Prepared prepare_input(const at::Tensor& x2, const LinearConfig& c, const Quantizer* q,
                        bool need_wgrad, ForwardResult& out) {
   const bool gather = gathers_input(c);
   if (!c.fp8()) return {gather ? all_gather_rows(x2, *c.tp_group) : x2, {}};
   const bool columnwise = need_wgrad && !c.save_original_input;
-  const QuantizerSpec spec = quantizer(c, state, kInput);
   Prepared in;
-  if (gather && quantizes_after_gather(c)) {
+  if (gather && q->quantizes_after_gather()) {
     // Quantize what the GEMMs see: the gathered tensor, whose amax is the global one.
     const at::Tensor total = all_gather_rows(x2, *c.tp_group);
-    in = {total, quantize(total, spec, true, columnwise)};
+    in = {total, q->quantize(total, true, columnwise)};
   } else if (gather) {
     Fp8Tensor local;
-    in = {at::Tensor(), all_gather_fp8(x2, spec, c.tp_group, &local)};
+    in = {at::Tensor(), all_gather_fp8(x2, *q, c.tp_group, &local)};
     if (need_wgrad && keeps_local_fp8_input(c)) out.x_fp8 = local.rowwise;  // re-gathered later
   } else {
-    in = {x2, quantize(x2, spec, true, columnwise)};
+    in = {x2, q->quantize(x2, true, columnwise)};
   }
   if (columnwise && !out.x_fp8.defined()) out.x_fp8 = in.q.columnwise;
   out.x_scale_inv = in.q.scale_inv;
   return in;
 }
 
-// 2. The gradient: quantized, and gathered along rows under row-parallel SP.
-Prepared prepare_grad(const at::Tensor& dy, const LinearConfig& c, const DelayedState& state,
+// 2. The gradient: quantized by `q`, and gathered along rows under row-parallel SP.
+Prepared prepare_grad(const at::Tensor& dy, const LinearConfig& c, const Quantizer* q,
                       bool need_dgrad, bool need_wgrad) {
   const bool gather = gathers_grad(c);
   if (!c.fp8()) return {gather ? all_gather_rows(dy, *c.tp_group) : dy, {}};
-  const QuantizerSpec spec = quantizer(c, state, kGrad);
-  if (!gather || quantizes_after_gather(c)) {
+  if (!gather || q->quantizes_after_gather()) {
     // Whole (replicated, this rank's own, or gathered first): its local amax is the global.
     const at::Tensor total = gather ? all_gather_rows(dy, *c.tp_group) : dy;
-    return {total, quantize(total, spec, need_dgrad, need_wgrad)};
+    return {total, q->quantize(total, need_dgrad, need_wgrad)};
   }
-  Fp8Tensor q = all_gather_fp8(dy, spec, c.tp_group);
+  Fp8Tensor g = all_gather_fp8(dy, *q, c.tp_group);
   if (need_wgrad) {
-    q.columnwise = at::empty({q.rowwise.size(1), q.rowwise.size(0)}, q.rowwise.options());
-    transpose_fp8(q.rowwise, q.columnwise);
+    g.columnwise = at::empty({g.rowwise.size(1), g.rowwise.size(0)}, g.rowwise.options());
+    transpose_fp8(g.rowwise, g.columnwise);
   }
-  return {at::Tensor(), q};
+  return {at::Tensor(), g};
 }
 
 // The input for wgrad: saved, re-gathered or re-quantized.
 Prepared input_for_wgrad(const at::Tensor& x_saved, const at::Tensor& x_gathered,
-                         const SavedForBackward& s, const LinearConfig& c,
-                         const DelayedState& state) {
+                         const SavedForBackward& s, const LinearConfig& c, const Quantizer* q) {
   if (saves_hp_input(c)) {
     const at::Tensor hp = x_gathered.defined() ? x_gathered : x_saved;
     if (!c.fp8()) return {hp, {}};
     // The whole tensor is here (gathered, replicated or this rank's own): its local amax is
     // the one forward used, so the re-quantized bytes equal forward's.
-    if (c.save_original_input) return {hp, quantize(hp, quantizer(c, state, kInput), false, true)};
+    if (c.save_original_input) return {hp, q->quantize(hp, false, true)};
     // Debugging: forward's column-wise data, and the values for reports.
     return {hp, {at::Tensor(), s.x_fp8, s.x_scale_inv, c.fwd_format}};
   }
-  Fp8Tensor q{at::Tensor(), s.x_fp8, s.x_scale_inv, c.fwd_format};
-  if (!x_gathered.defined()) return {at::Tensor(), q};
-  q.columnwise = at::empty({x_gathered.size(1), x_gathered.size(0)}, x_gathered.options());
-  transpose_fp8(x_gathered, q.columnwise);
-  return {at::Tensor(), q};
+  Fp8Tensor saved{at::Tensor(), s.x_fp8, s.x_scale_inv, c.fwd_format};
+  if (!x_gathered.defined()) return {at::Tensor(), saved};
+  saved.columnwise = at::empty({x_gathered.size(1), x_gathered.size(0)}, x_gathered.options());
+  transpose_fp8(x_gathered, saved.columnwise);
+  return {at::Tensor(), saved};
 }
 
 }  // namespace
@@ -393,12 +282,13 @@ ForwardResult linear_forward(const at::Tensor& x, const at::Tensor& weight, cons
   const int64_t n = weight.size(0), k = weight.size(1);
   const at::Tensor x2 = as_matrix(x, k);
   ForwardResult out;
+  const auto xq = make_quantizer(c, state, kInput), wq = make_quantizer(c, state, kWeight);
   // 1. The input of fprop: quantized, and gathered along rows under column-parallel SP.
-  const Prepared in = prepare_input(x2, c, state, need_wgrad, out);
+  const Prepared in = prepare_input(x2, c, xq.get(), need_wgrad, out);
   // 2. The weight: FP8 row-wise for fprop (+ column-wise for dgrad), or the cache's.
   Prepared w{weight, {}};
   if (c.fp8()) {
-    w.q = weight_fp8(weight, c, state, cache, need_dgrad);
+    w.q = weight_fp8(weight, *wq, c, cache, need_dgrad);
     if (c.weight_cache == WeightCache::kNone) {
       if (need_dgrad) out.w_fp8 = w.q.columnwise;
       out.w_scale_inv = w.q.scale_inv;
@@ -407,10 +297,8 @@ ForwardResult linear_forward(const at::Tensor& x, const at::Tensor& weight, cons
   // 3. fprop. The bias is fused in the epilogue except where an FP8 GEMM writes fp32 (its
   //    epilogue takes a 16-bit bias) and under row parallelism (it is added once, after the
   //    reduction).
-  const DebugOptions& d = c.debug;
   const auto [x_op, w_op] =
-      operands("fprop", {"activation", &in, false, d.fake_activation},
-               {"weight", &w, false, d.fake_weight}, c.fp8(), d.hp_fprop, d, x.scalar_type());
+      operands(Gemm::kFprop, {&in, xq.get(), false}, {&w, wq.get(), false}, x.scalar_type());
   at::Tensor y = at::empty({x_op.data.size(0), n}, x.options());
   const bool row = c.parallel_mode == ParallelMode::kRow;
   const bool fuse_bias = bias && !row && !(x_op.scale_inv && y.scalar_type() == at::kFloat);
@@ -441,9 +329,10 @@ Grads linear_backward(const at::Tensor& dy_in, const SavedForBackward& s, const 
                       const LinearConfig& c, const DelayedState& state, const OptTensor& main_grad,
                       bool main_grad_overwrite, bool need_dgrad, bool need_wgrad,
                       std::optional<at::ScalarType> bias_dtype) {
-  const DebugOptions& d = c.debug;
   const int64_t n = weight.size(0), k = weight.size(1);
   const at::Tensor dy = as_matrix(dy_in, n);
+  const auto xq = make_quantizer(c, state, kInput), wq = make_quantizer(c, state, kWeight),
+             gq = make_quantizer(c, state, kGrad);
   const at::Tensor x_saved = s.x ? as_matrix(*s.x, k) : at::Tensor();
 
   // 1. Column-parallel SP: start re-gathering the input for wgrad; it overlaps dgrad.
@@ -454,15 +343,14 @@ Grads linear_backward(const at::Tensor& dy_in, const SavedForBackward& s, const 
     x_gathered = all_gather_rows(saves_hp_input(c) ? x_saved : s.x_fp8, *c.tp_group, &x_work);
   }
   // 2. The gradient: quantized, and gathered along rows under row-parallel SP.
-  const Prepared g = prepare_grad(dy, c, state, need_dgrad, need_wgrad);
+  const Prepared g = prepare_grad(dy, c, gq.get(), need_dgrad, need_wgrad);
   // 3. dgrad, then (column parallel) its reduction, in flight during wgrad.
   Grads out;
   WorkPtr dx_work;
   if (need_dgrad) {
     const Prepared w{weight, {at::Tensor(), s.w_fp8, s.w_scale_inv, c.fwd_format}};
     const auto [dy_op, w_op] =
-        operands("dgrad", {"gradient", &g, false, d.fake_gradient},
-                 {"weight", &w, true, d.fake_weight}, c.fp8(), d.hp_dgrad, d, s.x_dtype);
+        operands(Gemm::kDgrad, {&g, gq.get(), false}, {&w, wq.get(), true}, s.x_dtype);
     out.dx =
         run_gemm(dy_op, w_op, at::empty({dy_op.data.size(0), k}, dy.options().dtype(s.x_dtype)),
                  std::nullopt, false);
@@ -475,10 +363,9 @@ Grads linear_backward(const at::Tensor& dy_in, const SavedForBackward& s, const 
   // 4. wgrad, into main_grad or a fresh dW.
   if (need_wgrad) {
     wait(x_work);
-    const Prepared in = input_for_wgrad(x_saved, x_gathered, s, c, state);
+    const Prepared in = input_for_wgrad(x_saved, x_gathered, s, c, xq.get());
     const auto [dy_op, x_op] =
-        operands("wgrad", {"gradient", &g, true, d.fake_gradient},
-                 {"activation", &in, true, d.fake_activation}, c.fp8(), d.hp_wgrad, d, s.x_dtype);
+        operands(Gemm::kWgrad, {&g, gq.get(), true}, {&in, xq.get(), true}, s.x_dtype);
     const bool accumulate = main_grad && !main_grad_overwrite;
     at::Tensor dw = main_grad ? *main_grad : at::empty({n, k}, weight.options());
     if (dy.size(0) > 0) {
@@ -518,9 +405,9 @@ void update_layers(const std::vector<at::Tensor>& scales, const std::vector<at::
                  amax_group);
 }
 
-Fp8Tensor all_gather_fp8(const at::Tensor& local, const QuantizerSpec& spec,
+Fp8Tensor all_gather_fp8(const at::Tensor& local, const Quantizer& quantizer,
                          const ProcessGroupPtr& group, Fp8Tensor* local_out) {
-  Fp8Tensor q = quantize(local.contiguous(), with_group_amax(spec, group), true, false);
+  Fp8Tensor q = quantizer.quantize(local.contiguous(), true, false, nullptr, group);
   if (local_out) *local_out = q;
   q.rowwise = all_gather_rows(q.rowwise, *group);  // FP8 bytes: half of bf16's traffic
   return q;

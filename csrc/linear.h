@@ -24,6 +24,7 @@
 #include <string>
 
 #include "comm.h"
+#include "debug_quantizer.h"
 #include "ops.h"
 #include "quantizer.h"
 
@@ -39,34 +40,6 @@ enum class WeightCache : int { kNone = 0, kFill = 1, kReuse = 2 };
 //           all-reduced, the full bias added after; with sequence parallelism dy arrives
 //           split along dim 0 and is all-gathered (FP8) for both backward GEMMs.
 enum class ParallelMode : int { kNone = 0, kColumn = 1, kRow = 2 };
-
-// Precision debugging (tpfp8.debug): per GEMM, run it in high precision, feed it
-// fake-quantized tensors, and report every operand exactly as the GEMM consumed it.
-struct DebugOptions {
-  bool active = false;
-  bool hp_fprop = false, hp_dgrad = false, hp_wgrad = false;  // disable_fp8_gemm
-  // fake_quant: quantize -> dequantize (current scaling) with this format, then a
-  // high-precision GEMM; -1 leaves the tensor alone.
-  int64_t fake_activation = -1, fake_weight = -1, fake_gradient = -1;
-  // log(gemm, tensor, used, original, scale_inv, format): `used` are the fp32 values the GEMM
-  // computed with ([rows, cols] of the tensor, whatever layout the GEMM read), `original` the
-  // high-precision tensor they came from, scale_inv/format those of FP8 data (undefined / -1
-  // for a high-precision operand).
-  std::function<void(const std::string&, const std::string&, const at::Tensor&, const at::Tensor&,
-                     const at::Tensor&, int64_t)>
-      log;
-};
-
-// The debug options as ops take them: [] (off) or [hp_fprop, hp_dgrad, hp_wgrad,
-// fake_activation, fake_weight, fake_gradient, logger] -- logger -1 for none, else the handle
-// tpfp8.debug registered with set_debug_logger.
-DebugOptions debug_options(at::IntArrayRef packed);
-// The Python function debug reports go to: logger(handle, gemm, tensor, used, original,
-// scale_inv, format).
-void set_debug_logger(
-    std::function<void(int64_t, const std::string&, const std::string&, const at::Tensor&,
-                       const at::Tensor&, const at::Tensor&, int64_t)>
-        logger);
 
 // A layer's settings for one call: fixed by the module's configuration and the recipe in force.
 struct LinearConfig {
@@ -87,15 +60,6 @@ LinearConfig linear_config(int64_t scaling, int64_t fwd_format, int64_t grad_for
                            bool sequence_parallel, const std::string& group_name,
                            at::IntArrayRef debug);
 
-// Delayed-scaling state of a layer (undefined otherwise): scale [3] of the input, the weight and
-// the output gradient; amax histories (tensor-major, newest first) of the input and weight
-// [2, H], written by forward, and of the gradient [1, H], written by backward -- two tensors,
-// so that each is written in one direction only (a compiled graph writes a mutated input
-// back when its direction ends). Casts fold their amax into row 0 unless the history is
-// undefined (a checkpoint's recompute).
-struct DelayedState {
-  at::Tensor scale, amax_history, grad_amax_history;
-};
 // The delayed-scaling update of many layers (fp8_autocast's exit): layer j's scale and
 // scale_inv [3], its forward and gradient histories, and fp8_max 3 per layer; with
 // `amax_group` their newest amaxes are all-reduced first, in one collective.
@@ -104,8 +68,6 @@ void update_layers(const std::vector<at::Tensor>& scales, const std::vector<at::
                    const std::vector<at::Tensor>& grad_histories,
                    const std::vector<double>& fp8_max, int64_t margin, bool use_history_max,
                    const ProcessGroupPtr& amax_group);
-
-enum Role : int64_t { kInput = 0, kWeight = 1, kGrad = 2 };
 
 // The weight's FP8 cache: filled with kFill, read with kReuse.
 struct WeightCacheBuffers {
@@ -163,11 +125,11 @@ Grads linear_backward(const at::Tensor& dy, const SavedForBackward& saved, const
                       bool main_grad_overwrite, bool need_dgrad, bool need_wgrad,
                       std::optional<at::ScalarType> bias_dtype);
 
-// Sequence-parallel gather in FP8: quantize this rank's rows [m, K] (current scaling reduces
-// the amax over the group first, so the scale is the whole tensor's on every rank), then
+// Sequence-parallel gather in FP8: quantize this rank's rows [m, K] with the whole tensor's
+// scale (Quantizer::quantize's split_over), then
 // all-gather the row-wise bytes into [world * m, K] sharing one scale_inv. `local_out`, if
 // given, receives this rank's quantized rows.
-Fp8Tensor all_gather_fp8(const at::Tensor& local, const QuantizerSpec& spec,
+Fp8Tensor all_gather_fp8(const at::Tensor& local, const Quantizer& quantizer,
                          const ProcessGroupPtr& group, Fp8Tensor* local_out = nullptr);
 
 }  // namespace tpfp8

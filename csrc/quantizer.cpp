@@ -8,38 +8,97 @@
 #include <mutex>
 
 #include "device_dispatch.h"
-#include "ops.h"
+#include "kernels/gemm.h"
 
 namespace tpfp8 {
 
-Fp8Tensor quantize(const at::Tensor& x, const QuantizerSpec& q, bool rowwise, bool columnwise,
-                   const Fp8Tensor* into) {
-  TORCH_CHECK(q.scaling != Scaling::kNone, "quantize called with a high-precision quantizer");
+const char* gemm_name(Gemm g) {
+  static const char* const names[] = {"fprop", "dgrad", "wgrad"};
+  return names[static_cast<int>(g)];
+}
+
+namespace {
+
+int64_t gemm_code(const at::Tensor& t) {
+  const at::ScalarType d = t.scalar_type();
+  return static_cast<int64_t>(d == at::kBFloat16 ? GemmType::kBFloat16
+                              : d == at::kHalf   ? GemmType::kFloat16
+                                                 : GemmType::kFloat32);
+}
+
+// Column-wise FP8 data [rows, M] contracted over M in wgrad: zero codes pad M to a multiple
+// of 16, which adds exact zeros to the sum. No copy when M is already aligned.
+at::Tensor pad_contracted(const at::Tensor& t) {
+  const int64_t pad = (kFp8Multiple - t.size(1) % kFp8Multiple) % kFp8Multiple;
+  return pad == 0 ? t : at::constant_pad_nd(t, {0, pad}, 0);
+}
+
+OptTensor optional(const at::Tensor& t, bool wanted = true) {
+  return wanted && t.defined() ? OptTensor(t) : std::nullopt;
+}
+
+}  // namespace
+
+Operand high_precision_operand(const at::Tensor& t, at::ScalarType dtype, bool transposed) {
+  const at::Tensor used = t.to(dtype).contiguous();
+  return {used, std::nullopt, gemm_code(used), transposed};
+}
+
+Operand Quantizer::operand(Gemm, const Prepared& t, bool columnwise, bool high_precision,
+                           at::ScalarType dtype) const {
+  if (high_precision) return high_precision_operand(t.hp, dtype, columnwise);
+  const int64_t type = static_cast<int64_t>(gemm_type(t.q.format));
+  if (columnwise) return {pad_contracted(t.q.columnwise), t.q.scale_inv, type};
+  return {t.q.rowwise, t.q.scale_inv, type};
+}
+
+Fp8Tensor Quantizer::outputs(const at::Tensor& x, bool rowwise, bool columnwise,
+                             const Fp8Tensor* into) const {
   Fp8Tensor out;
-  const auto u8 = x.options().dtype(at::kByte);
   if (into) {
     out = *into;
     if (!rowwise) out.rowwise = at::Tensor();
     if (!columnwise) out.columnwise = at::Tensor();
   } else {
+    const auto u8 = x.options().dtype(at::kByte);
     if (rowwise) out.rowwise = at::empty({x.size(0), x.size(1)}, u8);
     if (columnwise) out.columnwise = at::empty({x.size(1), x.size(0)}, u8);
     out.scale_inv = at::empty({1}, x.options().dtype(at::kFloat));
   }
-  out.format = q.format;
-  OptTensor row = rowwise ? OptTensor(out.rowwise) : std::nullopt;
-  OptTensor col = columnwise ? OptTensor(out.columnwise) : std::nullopt;
-  const auto fmt = static_cast<int64_t>(q.format);
-  if (q.scaling == Scaling::kDelayed) {
-    cast_transpose(x, q.scale, row, col, q.amax.defined() ? OptTensor(q.amax) : std::nullopt,
-                   out.scale_inv, fmt);
-    return out;
-  }
+  out.format = format();
+  return out;
+}
+
+Fp8Tensor DelayedScalingQuantizer::quantize(const at::Tensor& x, bool rowwise, bool columnwise,
+                                            const Fp8Tensor* into,
+                                            const ProcessGroupPtr& /*split_over*/) const {
+  Fp8Tensor out = outputs(x, rowwise, columnwise, into);
+  const OptTensor amax =
+      history_.defined() ? OptTensor(history_.select(0, role_ == kGrad ? 0 : role_).narrow(0, 0, 1))
+                         : std::nullopt;
+  cast_transpose(x, scale_.narrow(0, role_, 1), optional(out.rowwise, rowwise),
+                 optional(out.columnwise, columnwise), amax, out.scale_inv,
+                 static_cast<int64_t>(format()));
+  return out;
+}
+
+Fp8Tensor CurrentScalingQuantizer::quantize(const at::Tensor& x, bool rowwise, bool columnwise,
+                                            const Fp8Tensor* into,
+                                            const ProcessGroupPtr& split_over) const {
+  Fp8Tensor out = outputs(x, rowwise, columnwise, into);
   at::Tensor a = at::empty({1}, x.options().dtype(at::kFloat));
   zero_bytes(a);
   amax(x, a);
-  if (q.reduce_amax) q.reduce_amax(a);
-  cast_transpose_current(x, a, q.epsilon, row, col, out.scale_inv, fmt);
+  if (split_over) {
+    // NaN as Inf, as the delayed update's reduction does: every rank then gets the same (unit)
+    // scale for a bad step, whatever the backend makes of NaN in MAX.
+    const double inf = std::numeric_limits<double>::infinity();
+    a.nan_to_num_(inf, inf, inf);
+    all_reduce(a, *split_over, c10d::ReduceOp::MAX);
+  }
+  cast_transpose_current(x, a, epsilon_, optional(out.rowwise, rowwise),
+                         optional(out.columnwise, columnwise), out.scale_inv,
+                         static_cast<int64_t>(format()));
   return out;
 }
 

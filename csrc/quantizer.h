@@ -1,19 +1,30 @@
-// Quantizers: how one tensor of a Linear (input, weight or gradient) becomes FP8.
+// Quantizers: how one tensor of a Linear (input, weight or gradient) becomes FP8, and how a
+// GEMM reads it.
 //
-// A quantizer owns its recipe and says which usages it produces: row-wise data [M, K] for
-// GEMMs that contract over K, column-wise data [K, M] (the transpose) for those that contract
-// over M. Both come from one cast_transpose pass over the high-precision tensor.
+// A quantizer is an object per tensor and recipe -- DelayedScalingQuantizer (the layer's scale,
+// its amax written into the history), CurrentScalingQuantizer (the scale of this very tensor);
+// a DebugQuantizer (debug_quantizer.h) wraps one of them, or none for high precision. Its
+// tensors are views of the module's buffers, passed to the ops as arguments: the quantizer is
+// built for a call and holds no state of its own. It produces the usages asked for: row-wise
+// data [M, K] for GEMMs that contract over K, column-wise data [K, M] (the transpose) for those
+// that contract over M, both from one cast_transpose pass over the high-precision tensor.
 #pragma once
 
 #include <torch/types.h>
 
-#include <functional>
+#include <memory>
 #include <vector>
 
 #include "comm.h"
 #include "kernels/fp8_format.h"
+#include "ops.h"
 
 namespace tpfp8 {
+
+enum class Scaling : int { kNone = 0, kDelayed = 1, kCurrent = 2 };
+enum class Gemm : int { kFprop = 0, kDgrad = 1, kWgrad = 2 };
+enum Role : int64_t { kInput = 0, kWeight = 1, kGrad = 2 };  // a Linear's three tensors
+const char* gemm_name(Gemm g);
 
 // A per-tensor-scaled FP8 tensor. Either data part may be undefined.
 struct Fp8Tensor {
@@ -23,7 +34,100 @@ struct Fp8Tensor {
   Fp8Format format = Fp8Format::kE4M3;
 };
 
-enum class Scaling : int { kNone = 0, kDelayed = 1, kCurrent = 2 };
+// A tensor made ready for its GEMMs: its FP8 form and, where kept, the whole high-precision
+// tensor (high-precision GEMMs, re-quantization, debugging).
+struct Prepared {
+  at::Tensor hp;
+  Fp8Tensor q;
+};
+
+// A GEMM operand as the GEMM reads it: FP8 codes with their scale_inv, or high-precision
+// values, stored [rows, K] or (transposed, high precision only) [K, rows].
+struct Operand {
+  at::Tensor data;
+  OptTensor scale_inv;
+  int64_t type = 0;
+  bool transposed = false;
+};
+// `t` read by a GEMM in `dtype` (transposed: contracting over its rows).
+Operand high_precision_operand(const at::Tensor& t, at::ScalarType dtype, bool transposed);
+
+class Quantizer {
+ public:
+  explicit Quantizer(Fp8Format format) : format_(format) {}
+  virtual ~Quantizer() = default;
+  Fp8Format format() const { return format_; }
+
+  // Quantizes a 2-D contiguous tensor. The outputs are fresh tensors unless `into` provides
+  // buffers of the right shapes (the weight cache), which are then written in place. With
+  // `split_over`, x is this rank's rows of a tensor split across that group and the scale is
+  // the whole tensor's on every rank (they gather each other's codes).
+  virtual Fp8Tensor quantize(const at::Tensor& x, bool rowwise, bool columnwise,
+                             const Fp8Tensor* into = nullptr,
+                             const ProcessGroupPtr& split_over = {}) const = 0;
+  // Whether a tensor split across ranks is gathered in high precision and quantized whole
+  // (what debugging needs: statistics of the tensor the GEMMs see), instead of quantized per
+  // rank and gathered as FP8 bytes.
+  virtual bool quantizes_after_gather() const { return false; }
+  // Whether `gemm` must run in high precision because of this tensor.
+  virtual bool needs_high_precision(Gemm) const { return false; }
+  // What `gemm` reads of `t`: FP8 codes, row-wise or column-wise (contracting over t's rows),
+  // or with `high_precision` its values in `dtype`.
+  virtual Operand operand(Gemm gemm, const Prepared& t, bool columnwise, bool high_precision,
+                          at::ScalarType dtype) const;
+
+ protected:
+  // Fresh outputs for x, or `into`'s buffers, holding the usages asked for.
+  Fp8Tensor outputs(const at::Tensor& x, bool rowwise, bool columnwise,
+                    const Fp8Tensor* into) const;
+
+ private:
+  Fp8Format format_;
+};
+
+// Delayed-scaling state of a layer (undefined otherwise): scale [3] of the input, the weight and
+// the output gradient; amax histories (tensor-major, newest first) of the input and weight
+// [2, H], written by forward, and of the gradient [1, H], written by backward -- two tensors,
+// so that each is written in one direction only (a compiled graph writes a mutated input
+// back when its direction ends). Casts fold their amax into row 0 unless the history is
+// undefined (a checkpoint's recompute).
+struct DelayedState {
+  at::Tensor scale, amax_history, grad_amax_history;
+};
+// Delayed scaling of the layer's tensor `role`: casts with its scale in `state` and folds its
+// amax into its history's row 0 (not when the history is undefined). The scale moves at
+// fp8_autocast's exit (update_layers), where an amax group's ranks reduce their amaxes first,
+// so the ranks of a split tensor share it already.
+class DelayedScalingQuantizer final : public Quantizer {
+ public:
+  DelayedScalingQuantizer(Fp8Format format, const DelayedState& state, Role role)
+      : Quantizer(format),
+        scale_(state.scale),
+        history_(role == kGrad ? state.grad_amax_history : state.amax_history),
+        role_(role) {}
+  Fp8Tensor quantize(const at::Tensor& x, bool rowwise, bool columnwise,
+                     const Fp8Tensor* into = nullptr,
+                     const ProcessGroupPtr& split_over = {}) const override;
+
+ private:
+  at::Tensor scale_, history_;  // the layer's [3] and [2 or 1, H]: views made when casting
+  Role role_;
+};
+
+// Current scaling: scale = fp8_max / max(amax, epsilon) of this very tensor, computed on the
+// device by the cast itself (no launch in between); a split tensor's amax is all-reduced (MAX)
+// over the group first.
+class CurrentScalingQuantizer final : public Quantizer {
+ public:
+  CurrentScalingQuantizer(Fp8Format format, double epsilon)
+      : Quantizer(format), epsilon_(epsilon) {}
+  Fp8Tensor quantize(const at::Tensor& x, bool rowwise, bool columnwise,
+                     const Fp8Tensor* into = nullptr,
+                     const ProcessGroupPtr& split_over = {}) const override;
+
+ private:
+  double epsilon_;
+};
 
 // Delayed-scaling update of many layers' states now: histories[j] [n_j, H] (tensor-major,
 // newest first), scales[j] / scale_invs[j] [n_j], fp8_max one per tensor. With `amax_group`
@@ -32,25 +136,5 @@ enum class Scaling : int { kNone = 0, kDelayed = 1, kCurrent = 2 };
 void update_delayed(const std::vector<at::Tensor>& histories, const std::vector<at::Tensor>& scales,
                     const std::vector<at::Tensor>& scale_invs, const std::vector<double>& fp8_max,
                     int64_t margin, bool use_history_max, const ProcessGroupPtr& amax_group);
-
-struct QuantizerSpec {
-  Scaling scaling = Scaling::kNone;
-  Fp8Format format = Fp8Format::kE4M3;
-  // Delayed scaling: cast with the module's current scale ([1] view) and fold this step's
-  // amax into its history row 0 ([1] view; undefined: not recorded, as in a checkpoint's
-  // recompute); the update happens at the end of the step.
-  at::Tensor scale;
-  at::Tensor amax;
-  // Current scaling: scale = fp8_max / max(amax, epsilon) of this very tensor. reduce_amax,
-  // when set, runs on the [1] amax before the scale is computed (tensor parallelism makes it
-  // an all-reduce MAX so every rank gets the same scale).
-  double epsilon = 0.0;
-  std::function<void(at::Tensor&)> reduce_amax;
-};
-
-// Quantizes a 2-D contiguous tensor. The outputs are fresh tensors unless `into` provides
-// buffers of the right shapes (the weight cache), which are then written in place.
-Fp8Tensor quantize(const at::Tensor& x, const QuantizerSpec& q, bool rowwise, bool columnwise,
-                   const Fp8Tensor* into = nullptr);
 
 }  // namespace tpfp8
