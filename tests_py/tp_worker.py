@@ -230,6 +230,16 @@ def check_fp8_gather(group):
     assert codes.dtype == torch.uint8 and codes.shape == full.shape, "FP8 gather sends uint8"
     assert torch.equal(codes, ref.rowwise), f"rank {r}: gathered bytes differ"
     assert torch.equal(scale_inv, ref.scale_inv), f"rank {r}: scale_inv differs"
+    # A NaN on the last rank only: every rank casts with the unit scale of a non-finite amax
+    # (the amax goes into the all-reduce as Inf; MAX over a NaN depends on the backend and on
+    # the order), so the gathered bytes decode alike everywhere.
+    full[-1, 3] = float("nan")
+    codes, scale_inv = _C.all_gather_fp8(full.chunk(tp)[r].contiguous(), _C.Fp8Format.E4M3,
+                                         group.group_name)
+    ref = tpfp8.ops.quantize(full, torch.ones(1, device=DEVICE), "e4m3")
+    checks += 1
+    assert torch.equal(codes, ref.rowwise), f"rank {r}: bytes with a NaN on one rank differ"
+    assert float(scale_inv) == 1.0, f"rank {r}: scale_inv {float(scale_inv)} with a NaN amax"
 
 
 def check_errors(group):
