@@ -44,14 +44,13 @@ CastParams cast_params(const at::Tensor& input, const at::Tensor& scale, int64_t
   return p;
 }
 
+// (p's scale or scale_amax, and amax, are set by the caller.)
 void run_cast_transpose(CastParams& p, const at::Tensor& input, const OptTensor& rowwise,
-                        const OptTensor& columnwise, const OptTensor& amax,
-                        const OptTensor& scale_inv) {
+                        const OptTensor& columnwise, const OptTensor& scale_inv) {
   TORCH_CHECK(rowwise.has_value() || columnwise.has_value(),
               "cast_transpose needs at least one of rowwise / columnwise outputs");
   p.rowwise = optional_fp8_out(rowwise, "rowwise", {p.rows, p.cols}, input);
   p.columnwise = optional_fp8_out(columnwise, "columnwise", {p.cols, p.rows}, input);
-  p.amax = optional_f32(amax, "amax", input);
   p.scale_inv = optional_f32(scale_inv, "scale_inv", input);
   run_on_device(
       input, [&] { cast_cpu(p); }, [&](cudaStream_t s) { return cast_transpose_cuda(p, s); });
@@ -73,7 +72,18 @@ void cast_transpose(const at::Tensor& input, const at::Tensor& scale, const OptT
                     const OptTensor& columnwise, const OptTensor& amax, const OptTensor& scale_inv,
                     int64_t fp8_format) {
   CastParams p = cast_params(input, scale, fp8_format);
-  run_cast_transpose(p, input, rowwise, columnwise, amax, scale_inv);
+  p.amax = optional_f32(amax, "amax", input);
+  run_cast_transpose(p, input, rowwise, columnwise, scale_inv);
+}
+
+void cast_transpose_slots(const at::Tensor& input, const at::Tensor& scale, int64_t scale_index,
+                          const OptTensor& rowwise, const OptTensor& columnwise,
+                          const OptTensor& amax, int64_t amax_index, const OptTensor& scale_inv,
+                          int64_t fp8_format) {
+  CastParams p = cast_params(input, fp8_format);
+  p.scale = f32_slot(scale, scale_index, "scale", input);
+  p.amax = amax ? f32_slot(*amax, amax_index, "amax", input) : nullptr;
+  run_cast_transpose(p, input, rowwise, columnwise, scale_inv);
 }
 
 void cast_transpose_current(const at::Tensor& input, const at::Tensor& amax, double epsilon,
@@ -84,7 +94,7 @@ void cast_transpose_current(const at::Tensor& input, const at::Tensor& amax, dou
   TORCH_CHECK(epsilon >= 0.0, "epsilon must be >= 0, got ", epsilon);
   p.scale_amax = amax.data_ptr<float>();
   p.epsilon = static_cast<float>(epsilon);
-  run_cast_transpose(p, input, rowwise, columnwise, std::nullopt, scale_inv);
+  run_cast_transpose(p, input, rowwise, columnwise, scale_inv);
 }
 
 void transpose_fp8(const at::Tensor& input, at::Tensor& out) {
@@ -161,7 +171,7 @@ void delayed_scaling_update_many(const std::vector<at::Tensor>& histories,
                                  const std::vector<at::Tensor>& scales,
                                  const std::vector<at::Tensor>& scale_invs,
                                  const std::vector<double>& fp8_max, int64_t margin,
-                                 bool use_history_max) {
+                                 bool use_history_max, at::IntArrayRef scale_offsets) {
   TORCH_CHECK(histories.size() == scales.size() && histories.size() == scale_invs.size(),
               "delayed_scaling_update_many needs one scale and scale_inv per history, got ",
               histories.size(), " histories, ", scales.size(), " scales, ", scale_invs.size(),
@@ -178,10 +188,20 @@ void delayed_scaling_update_many(const std::vector<at::Tensor>& histories,
                 shape_str(h));
     check_contiguous(h, "history");
     check_same_device(h, ref, "history", "histories[0]");
-    check_output(scales[j], "scale", {h.size(0)}, at::kFloat, ref);
-    check_output(scale_invs[j], "scale_inv", {h.size(0)}, at::kFloat, ref);
+    const int64_t offset = scale_offsets.empty() ? 0 : scale_offsets[j];
+    if (scale_offsets.empty()) {
+      check_output(scales[j], "scale", {h.size(0)}, at::kFloat, ref);
+      check_output(scale_invs[j], "scale_inv", {h.size(0)}, at::kFloat, ref);
+    } else if (h.size(0) > 0) {  // the slots offset .. offset + n - 1
+      for (const int64_t i : {offset, offset + h.size(0) - 1}) {
+        f32_slot(scales[j], i, "scale", ref);
+        f32_slot(scale_invs[j], i, "scale_inv", ref);
+      }
+    }
     total += h.size(0);
   }
+  TORCH_CHECK(scale_offsets.empty() || scale_offsets.size() == histories.size(),
+              "scale_offsets needs one offset per history, got ", scale_offsets.size());
   TORCH_CHECK(static_cast<int64_t>(fp8_max.size()) == total, "fp8_max needs one value per tensor (",
               total, "), got ", fp8_max.size());
   DelayedScalingBatch b;
@@ -200,12 +220,22 @@ void delayed_scaling_update_many(const std::vector<at::Tensor>& histories,
       if (b.num_tensors == DelayedScalingBatch::kMaxTensors) flush();
       const int t = b.num_tensors++;
       b.history[t] = histories[j].data_ptr<float>() + i * b.history_len;
-      b.scale[t] = scales[j].data_ptr<float>() + i;
-      b.scale_inv[t] = scale_invs[j].data_ptr<float>() + i;
+      const int64_t slot = (scale_offsets.empty() ? 0 : scale_offsets[j]) + i;
+      b.scale[t] = scales[j].data_ptr<float>() + slot;
+      b.scale_inv[t] = scale_invs[j].data_ptr<float>() + slot;
       b.fp8_max[t] = static_cast<float>(fp8_max[flat]);
     }
   }
   if (b.num_tensors > 0) flush();
+}
+
+// (The op: every history's scales are whole tensors.)
+void delayed_scaling_update_many_op(const std::vector<at::Tensor>& histories,
+                                    const std::vector<at::Tensor>& scales,
+                                    const std::vector<at::Tensor>& scale_invs,
+                                    const std::vector<double>& fp8_max, int64_t margin,
+                                    bool use_history_max) {
+  delayed_scaling_update_many(histories, scales, scale_invs, fp8_max, margin, use_history_max);
 }
 
 TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
@@ -237,7 +267,7 @@ TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
   m.impl("dequantize", &dequantize);                         \
   m.impl("amax", &amax);                                     \
   m.impl("delayed_scaling_update", &delayed_scaling_update); \
-  m.impl("delayed_scaling_update_many", &delayed_scaling_update_many)
+  m.impl("delayed_scaling_update_many", &delayed_scaling_update_many_op)
 
 TORCH_LIBRARY_IMPL(tpfp8, CPU, m) { TPFP8_REGISTER_CAST_OPS(m); }
 #if defined(TPFP8_WITH_CUDA)

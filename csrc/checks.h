@@ -38,6 +38,17 @@ inline void check_scalar_f32(const at::Tensor& t, const char* name, const at::Te
   check_same_device(t, ref, name, ref_name);
 }
 
+// Element `index` of a contiguous float32 tensor (a slot of a layer's state), checked: the
+// pointer an op reads or writes, with no view made (host time).
+inline float* f32_slot(const at::Tensor& t, int64_t index, const char* name,
+                       const at::Tensor& ref) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && index >= 0 && index < t.numel(),
+              name, " must be a contiguous float32 tensor holding element ", index, ", got ",
+              t.scalar_type(), " of shape ", shape_str(t));
+  check_same_device(t, ref, name, "input");
+  return t.data_ptr<float>() + index;
+}
+
 inline DType high_precision_dtype(const at::Tensor& t, const char* name) {
   switch (t.scalar_type()) {
     case at::kFloat:

@@ -395,14 +395,15 @@ void update_layers(const std::vector<at::Tensor>& scales, const std::vector<at::
                    const std::vector<double>& fp8_max, int64_t margin, bool use_history_max,
                    const ProcessGroupPtr& amax_group) {
   std::vector<at::Tensor> all_histories, all_scales, all_scale_invs;
-  for (size_t j = 0; j < scales.size(); ++j) {  // forward (input, weight), then gradient
+  std::vector<int64_t> offsets;
+  for (size_t j = 0; j < scales.size(); ++j) {  // forward (input, weight): slots 0-1; gradient: 2
     all_histories.insert(all_histories.end(), {histories[j], grad_histories[j]});
-    all_scales.insert(all_scales.end(), {scales[j].narrow(0, 0, 2), scales[j].narrow(0, 2, 1)});
-    all_scale_invs.insert(all_scale_invs.end(),
-                          {scale_invs[j].narrow(0, 0, 2), scale_invs[j].narrow(0, 2, 1)});
+    all_scales.insert(all_scales.end(), {scales[j], scales[j]});
+    all_scale_invs.insert(all_scale_invs.end(), {scale_invs[j], scale_invs[j]});
+    offsets.insert(offsets.end(), {0, 2});
   }
   update_delayed(all_histories, all_scales, all_scale_invs, fp8_max, margin, use_history_max,
-                 amax_group);
+                 amax_group, offsets);
 }
 
 Fp8Tensor all_gather_fp8(const at::Tensor& local, const Quantizer& quantizer,

@@ -19,6 +19,12 @@ void quantize(const at::Tensor& input, const at::Tensor& scale, at::Tensor& out,
 void cast_transpose(const at::Tensor& input, const at::Tensor& scale, const OptTensor& rowwise,
                     const OptTensor& columnwise, const OptTensor& amax, const OptTensor& scale_inv,
                     int64_t fp8_format);
+// cast_transpose with the scale and the amax as slots of a layer's state: scale[scale_index],
+// amax[amax_index] of contiguous float32 tensors (the Linear's casts: no views to make).
+void cast_transpose_slots(const at::Tensor& input, const at::Tensor& scale, int64_t scale_index,
+                          const OptTensor& rowwise, const OptTensor& columnwise,
+                          const OptTensor& amax, int64_t amax_index, const OptTensor& scale_inv,
+                          int64_t fp8_format);
 // cast_transpose with current scaling: the kernel computes the scale from `amax` (already
 // reduced over any group): fp8_max / max(amax, epsilon), 1 for an amax of 0, inf or NaN.
 void cast_transpose_current(const at::Tensor& input, const at::Tensor& amax, double epsilon,
@@ -31,12 +37,13 @@ void amax(const at::Tensor& input, at::Tensor& amax);
 void delayed_scaling_update(at::Tensor& amax_history, at::Tensor& scale, at::Tensor& scale_inv,
                             const at::Tensor& fp8_max, int64_t margin, bool use_history_max);
 // The same for state spread over many buffers: histories[j] [n_j, H] (tensor-major), one
-// launch per 96 tensors.
+// launch per 96 tensors. Their scales are scales[j] [n_j], or with `scale_offsets` the slots
+// offsets[j] .. offsets[j] + n_j - 1 of scales[j] (a layer's [3]: no views to make).
 void delayed_scaling_update_many(const std::vector<at::Tensor>& histories,
                                  const std::vector<at::Tensor>& scales,
                                  const std::vector<at::Tensor>& scale_invs,
                                  const std::vector<double>& fp8_max, int64_t margin,
-                                 bool use_history_max);
+                                 bool use_history_max, at::IntArrayRef scale_offsets = {});
 // out[M, N] = scales * A . B^T (+ bias) (+ out); types are GemmType codes (kernels/gemm.h).
 void gemm(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, const OptTensor& a_scale_inv,
           const OptTensor& b_scale_inv, int64_t a_type, int64_t b_type, const OptTensor& bias,

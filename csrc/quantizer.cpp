@@ -73,12 +73,12 @@ Fp8Tensor DelayedScalingQuantizer::quantize(const at::Tensor& x, bool rowwise, b
                                             const Fp8Tensor* into,
                                             const ProcessGroupPtr& /*split_over*/) const {
   Fp8Tensor out = outputs(x, rowwise, columnwise, into);
-  const OptTensor amax =
-      history_.defined() ? OptTensor(history_.select(0, role_ == kGrad ? 0 : role_).narrow(0, 0, 1))
-                         : std::nullopt;
-  cast_transpose(x, scale_.narrow(0, role_, 1), optional(out.rowwise, rowwise),
-                 optional(out.columnwise, columnwise), amax, out.scale_inv,
-                 static_cast<int64_t>(format()));
+  // The history is tensor-major: this tensor's newest amax is the first of its row.
+  const int64_t amax_index =
+      (role_ == kGrad ? 0 : role_) * (history_.defined() ? history_.size(1) : 0);
+  cast_transpose_slots(x, scale_, role_, optional(out.rowwise, rowwise),
+                       optional(out.columnwise, columnwise), optional(history_), amax_index,
+                       out.scale_inv, static_cast<int64_t>(format()));
   return out;
 }
 
@@ -104,7 +104,8 @@ Fp8Tensor CurrentScalingQuantizer::quantize(const at::Tensor& x, bool rowwise, b
 
 void update_delayed(const std::vector<at::Tensor>& histories, const std::vector<at::Tensor>& scales,
                     const std::vector<at::Tensor>& scale_invs, const std::vector<double>& fp8_max,
-                    int64_t margin, bool use_history_max, const ProcessGroupPtr& amax_group) {
+                    int64_t margin, bool use_history_max, const ProcessGroupPtr& amax_group,
+                    at::IntArrayRef scale_offsets) {
   if (histories.empty()) return;
   if (amax_group) {  // one collective for all the layers' amaxes
     const auto newest = c10::fmap(histories, [](const at::Tensor& h) { return h.select(1, 0); });
@@ -128,7 +129,8 @@ void update_delayed(const std::vector<at::Tensor>& histories, const std::vector<
   if (!amax_group) lock.lock();
   // Named as the op, so that profiles (and tests) count the launches.
   RECORD_FUNCTION("tpfp8::delayed_scaling_update_many", std::vector<c10::IValue>());
-  delayed_scaling_update_many(histories, scales, scale_invs, fp8_max, margin, use_history_max);
+  delayed_scaling_update_many(histories, scales, scale_invs, fp8_max, margin, use_history_max,
+                              scale_offsets);
 }
 
 }  // namespace tpfp8

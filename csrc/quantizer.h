@@ -110,7 +110,7 @@ class DelayedScalingQuantizer final : public Quantizer {
                      const ProcessGroupPtr& split_over = {}) const override;
 
  private:
-  at::Tensor scale_, history_;  // the layer's [3] and [2 or 1, H]: views made when casting
+  at::Tensor scale_, history_;  // the layer's [3] and [2 or 1, H]
   Role role_;
 };
 
@@ -130,11 +130,13 @@ class CurrentScalingQuantizer final : public Quantizer {
 };
 
 // Delayed-scaling update of many layers' states now: histories[j] [n_j, H] (tensor-major,
-// newest first), scales[j] / scale_invs[j] [n_j], fp8_max one per tensor. With `amax_group`
+// newest first), scales[j] / scale_invs[j] [n_j] (or their slots from scale_offsets[j] on, as
+// delayed_scaling_update_many takes them), fp8_max one per tensor. With `amax_group`
 // the newest amaxes of all of them are all-reduced (MAX) first, in one collective; then the
 // histories roll and the scales update in one launch per 96 tensors.
 void update_delayed(const std::vector<at::Tensor>& histories, const std::vector<at::Tensor>& scales,
                     const std::vector<at::Tensor>& scale_invs, const std::vector<double>& fp8_max,
-                    int64_t margin, bool use_history_max, const ProcessGroupPtr& amax_group);
+                    int64_t margin, bool use_history_max, const ProcessGroupPtr& amax_group,
+                    at::IntArrayRef scale_offsets = {});
 
 }  // namespace tpfp8
