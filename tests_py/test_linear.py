@@ -452,6 +452,40 @@ def test_swap_linear_and_state_dict():
     fresh.load_state_dict(nn.Linear(32, 64).state_dict())  # plain checkpoints load
 
 
+def test_is_an_nn_linear_and_swap_leaves_it_alone():
+    lin = tpfp8.Linear(32, 16, bias=False)
+    assert isinstance(lin, nn.Linear) and (lin.in_features, lin.out_features) == (32, 16)
+    assert lin.bias is None and lin.weight.shape == (16, 32)
+    model = nn.Sequential(lin)
+    assert tpfp8.swap_linear(model)[0] is lin  # already tpfp8: not wrapped again
+
+
+def test_peft_lora_wraps_and_trains_a_swapped_model():
+    peft = pytest.importorskip("peft", reason="peft not installed")
+    torch.manual_seed(12)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+    tpfp8.swap_linear(model)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["0", "2"], init_lora_weights=False)
+    lora = peft.get_peft_model(model, config)
+    base = lora.base_model.model
+    assert isinstance(base[0].base_layer, tpfp8.Linear)
+    frozen = base[0].base_layer.weight.detach().clone()
+    trainable = [p for p in lora.parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n, p in lora.named_parameters() if p.requires_grad)
+    opt = torch.optim.SGD(trainable, lr=0.1)
+    x, target = torch.randn(64, 32), torch.randn(64, 16)
+    losses = []
+    for _ in range(5):
+        with tpfp8.fp8_autocast(recipe=tpfp8.CurrentScaling()):
+            loss = nn.functional.mse_loss(lora(x), target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+    assert torch.equal(base[0].base_layer.weight, frozen)  # the FP8 base layer stays frozen
+
+
 # ---- errors leave the state untouched --------------------------------------------------
 
 def state_of(lin):

@@ -21,9 +21,11 @@ _PARALLEL = {None: int(_C.ParallelMode.NONE), "column": int(_C.ParallelMode.COLU
              "row": int(_C.ParallelMode.ROW)}
 
 
-class Linear(nn.Module):
+class Linear(nn.Linear):
     """``y = x W^T + b`` with ``W`` [out_features, in_features], like ``torch.nn.Linear``
-    (same parameters, same initialisation, loads an ``nn.Linear`` state dict).
+    (same parameters, same initialisation, loads an ``nn.Linear`` state dict). It is an
+    ``nn.Linear`` (a subclass), so ``isinstance`` checks and tools that wrap or replace
+    Linears (PEFT's LoRA, model surgery) accept it.
 
     Inside ``tpfp8.fp8_autocast`` the forward GEMM and both backward GEMMs run in FP8; outside
     it the same C++ path runs them in the input's precision. Under ``torch.autocast`` the input,
@@ -58,7 +60,7 @@ class Linear(nn.Module):
                  fuse_wgrad_accumulation: bool = False, return_bias: bool = False,
                  name: Optional[str] = None, parallel_mode: Optional[str] = None,
                  tp_group=None, sequence_parallel: bool = False):
-        super().__init__()
+        nn.Module.__init__(self)  # (nn.Linear's would make full-size parameters: TP splits them)
         if in_features <= 0 or out_features <= 0:
             raise ValueError(f"in_features and out_features must be positive, got "
                              f"{in_features} and {out_features}")
