@@ -8,6 +8,7 @@ in :mod:`tpfp8.ops` (and ``torch.ops.tpfp8``).
 """
 import torch  # noqa: F401  (loads libtorch, which _C links against)
 
+from . import _build_check  # noqa: F401  (refuses a torch without the CUDA build _C needs)
 from . import _C  # noqa: F401,E402  (registers the native ops in torch.ops.tpfp8)
 from . import _fake  # noqa: F401  (their fake kernels, for torch.compile)
 from .formats import Fp8Format
