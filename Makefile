@@ -26,8 +26,8 @@ deps:
 	@command -v cmake >/dev/null && [ -e /usr/include/gtest/gtest.h ] || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake libgtest-dev; }
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "$(TORCH_SPEC)"
-	@$(PYTHON) -c "import numpy, pytest, ninja, yaml" 2>/dev/null || \
-	  $(PYTHON) -m pip install -q numpy pytest ninja pyyaml
+	@$(PYTHON) -c "import numpy, pytest, ninja, yaml, peft" 2>/dev/null || \
+	  $(PYTHON) -m pip install -q numpy pytest ninja pyyaml peft
 
 build: build-python build-cpp
 
