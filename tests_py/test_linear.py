@@ -1,6 +1,7 @@
 """tpfp8.Linear on one device: against nn.Linear outside FP8, against an independent float64
 emulation of the FP8 casts inside it, delayed-scaling bookkeeping, caches, errors, training."""
 import copy
+import functools
 import io
 from contextlib import nullcontext
 
@@ -380,10 +381,20 @@ CHECKPOINT_VARIANTS = ["plain", "nested", "fp8_autocast inside", "backward twice
                        "backward in fp8_autocast"]
 
 
-def check_checkpoint_matches_plain_steps(recipe, variant, device="cpu"):
-    """tpfp8.checkpoint of a block: outputs, gradients and the FP8 state after each of 3 steps
-    equal those of the same steps without checkpointing, bit for bit (delayed scaling: the
-    recompute casts with the first forward's scales, folds no amax, updates nothing)."""
+CHECKPOINTS = {
+    "tpfp8.checkpoint": tpfp8.checkpoint,
+    "torch non-reentrant": functools.partial(torch.utils.checkpoint.checkpoint,
+                                             use_reentrant=False),
+    "torch reentrant": functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True),
+}
+
+
+def check_checkpoint_matches_plain_steps(recipe, variant, device="cpu",
+                                         checkpoint=tpfp8.checkpoint):
+    """An activation checkpoint of a block: outputs, gradients and the FP8 state after each
+    of 3 steps equal those of the same steps without checkpointing, bit for bit (delayed
+    scaling: the recompute casts with the first forward's scales, folds no amax, updates
+    nothing), wherever backward runs."""
     def block(seed):
         torch.manual_seed(seed)
         return nn.Sequential(tpfp8.Linear(32, 64), nn.GELU(), tpfp8.Linear(64, 16)).to(device)
@@ -396,14 +407,13 @@ def check_checkpoint_matches_plain_steps(recipe, variant, device="cpu"):
             def inner(v):
                 with fp8():
                     return model(v)
-            return tpfp8.checkpoint(inner, x) if ckpt else inner(x)
+            return checkpoint(inner, x) if ckpt else inner(x)
         with fp8():
             if not ckpt:
                 return model(x)
             if variant == "nested":
-                return tpfp8.checkpoint(
-                    lambda v: model[2](model[1](tpfp8.checkpoint(model[0], v))), x)
-            return tpfp8.checkpoint(model, x)
+                return checkpoint(lambda v: model[2](model[1](checkpoint(model[0], v))), x)
+            return checkpoint(model, x)
 
     plain, ckpt = block(21), block(21)
     for step in range(3):
@@ -425,19 +435,63 @@ def check_checkpoint_matches_plain_steps(recipe, variant, device="cpu"):
             assert torch.equal(a, b), f"step {step}"
 
 
+@pytest.mark.parametrize("checkpoint", list(CHECKPOINTS))
 @pytest.mark.parametrize("variant", CHECKPOINT_VARIANTS)
 @pytest.mark.parametrize("recipe", [None, tpfp8.DelayedScaling(amax_history_len=4),
                                     tpfp8.CurrentScaling()],
                          ids=["high precision", "delayed", "current"])
-def test_checkpoint_matches_plain_steps(device, recipe, variant):
-    check_checkpoint_matches_plain_steps(recipe, variant, device)
+def test_checkpoint_matches_plain_steps(device, recipe, variant, checkpoint):
+    check_checkpoint_matches_plain_steps(recipe, variant, device, CHECKPOINTS[checkpoint])
 
 
-def test_checkpoint_refuses_reentrant_and_context_fn():
-    lin, _ = make(seed=22)
-    for kwargs in ({"use_reentrant": True}, {"context_fn": lambda: (nullcontext(),) * 2}):
-        with pytest.raises(ValueError, match="non-reentrant"):
-            tpfp8.checkpoint(lin, torch.randn(2, 32), **kwargs)
+@pytest.mark.parametrize("checkpoint", ["torch non-reentrant", "torch reentrant"])
+def test_checkpoint_started_late_with_evaluations_between(checkpoint):
+    """Steps without checkpointing first, then with it, and evaluation forwards (no grad,
+    inside fp8_autocast: they update the state too) between steps: each step's gradients and
+    FP8 state equal those of the same steps never checkpointed, bit for bit."""
+    recipe = tpfp8.DelayedScaling(amax_history_len=4)
+    models = [make(seed=24)[0], make(seed=24)[0]]
+    for step in range(5):
+        torch.manual_seed(300 + step)
+        x, dy, probe = torch.randn(8, 32), torch.randn(8, 48), torch.randn(4, 32)
+        results = []
+        for lin, ckpt in zip(models, (False, step >= 2)):
+            lin.zero_grad(set_to_none=True)
+            with torch.no_grad(), tpfp8.fp8_autocast(recipe=recipe):
+                lin(probe)
+            xg = x.clone().requires_grad_(True)
+            with tpfp8.fp8_autocast(recipe=recipe):
+                y = CHECKPOINTS[checkpoint](lin, xg) if ckpt else lin(xg)
+            y.backward(dy)
+            results.append([y.detach(), xg.grad, lin.weight.grad] + state_of(lin))
+        for a, b in zip(*results):
+            assert torch.equal(a, b), f"step {step}"
+
+
+def test_recompute_of_a_forward_two_updates_back_is_refused():
+    """Two micro-batches in flight, each in its own fp8_autocast (a pipeline schedule): the
+    first one's recompute comes after two updates, its scales are gone -- a clear error."""
+    lin, _ = make(seed=25)
+    outputs = []
+    for _ in range(2):
+        with tpfp8.fp8_autocast():
+            outputs.append(torch.utils.checkpoint.checkpoint(
+                lin, torch.randn(4, 32, requires_grad=True), use_reentrant=False))
+    with pytest.raises(RuntimeError, match="after 2 delayed-scaling updates"):
+        outputs[0].sum().backward()
+
+
+def test_recompute_after_two_updates_is_refused():
+    """A checkpointed block whose backward runs after two fp8_autocast exits (its scales are
+    gone): a clear error, not a silently different gradient."""
+    lin, _ = make(seed=23)
+    x = torch.randn(4, 32, requires_grad=True)
+    with tpfp8.fp8_autocast():
+        y = torch.utils.checkpoint.checkpoint(lin, x, use_reentrant=False)
+    with tpfp8.fp8_autocast():
+        lin(torch.randn(4, 32))
+    with pytest.raises(RuntimeError, match="after 2 delayed-scaling updates"):
+        y.sum().backward()
 
 
 def test_swap_linear_and_state_dict():

@@ -19,6 +19,7 @@ run of every mode. Prints "TP OK <n> checks" and exits 0 when everything holds.
 """
 import copy
 import datetime
+import functools
 import itertools
 import json
 import os
@@ -347,8 +348,9 @@ def check_deepcopy(group):
 
 
 def check_checkpoint(group):
-    """tpfp8.checkpoint of a tensor-parallel layer (its collectives run again in the
-    recompute) gives the un-checkpointed steps bit for bit, delayed-scaling state included."""
+    """torch.utils.checkpoint (reentrant) of a tensor-parallel layer, backward after
+    fp8_autocast's exit (its collectives run again in the recompute, with the forward's
+    scales) gives the un-checkpointed steps bit for bit, delayed-scaling state included."""
     global checks
     recipe = tpfp8.DelayedScaling(amax_history_len=4)
     for mode, sp in itertools.product(("column", "row"), (False, True)):
@@ -361,7 +363,10 @@ def check_checkpoint(group):
             full_x = torch.randn(S, B, K, device=DEVICE)
             full_dy = torch.randn(S, B, N, device=DEVICE)
             plain = step_tp(layers[0], mode, sp, group, full_x, full_dy, recipe)
-            ckpt = step_tp(layers[1], mode, sp, group, full_x, full_dy, recipe, tpfp8.checkpoint)
+            # Plain torch.utils.checkpoint, as Hugging Face calls it (reentrant).
+            ckpt = step_tp(layers[1], mode, sp, group, full_x, full_dy, recipe,
+                           functools.partial(torch.utils.checkpoint.checkpoint,
+                                             use_reentrant=True))
             for a, b in zip(plain, ckpt):
                 checks += 1
                 assert torch.equal(a, b), f"checkpointed {mode} layer (sp={sp}) differs"

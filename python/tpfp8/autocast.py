@@ -31,18 +31,16 @@ def current():
     return top if top is not None and top["recipe"] is not None else None
 
 
-def _checkpoint_keys(frame) -> dict:
-    """What a frame inside a checkpointed block passes on to frames opened in it: the scales
-    being recorded (first forward) or replayed (recompute)."""
-    if frame is None:
-        return {}
-    return {key: frame[key] for key in ("record", "replay") if key in frame}
+def _frame(recipe, amax_group) -> dict:
+    """A frame for the stack; its exit updates the modules collected in "ran"."""
+    return {"recipe": recipe, "amax_group": amax_group, "ran": {}}
 
 
-def _frame(recipe, amax_group, ran: dict, outer) -> dict:
-    """A frame for the stack: `ran` collects the modules its exit updates; opened inside a
-    checkpointed block (`outer`), it carries on the block's scales."""
-    return {"recipe": recipe, "amax_group": amax_group, "ran": ran, **_checkpoint_keys(outer)}
+def recomputing() -> bool:
+    """Whether a forward runs inside a backward pass: an activation checkpoint
+    (``torch.utils.checkpoint``, reentrant or not) recomputing its block. (Not asked while
+    torch.compile traces: a compiled graph's recompute does not run Python.)"""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 @contextlib.contextmanager
@@ -67,70 +65,25 @@ def fp8_autocast(enabled: bool = True, recipe=None, amax_group=None):
     if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
         raise ValueError(f"recipe must be tpfp8.DelayedScaling or tpfp8.CurrentScaling, got "
                          f"{type(recipe).__name__}")
-    frame = _frame(recipe, amax_group, {}, _top()) if enabled else None
+    frame = _frame(recipe, amax_group) if enabled else None
     _stack().append(frame)
     try:
         yield
     finally:
         _stack().pop()
-        if frame is not None and "replay" not in frame:  # a recompute's exit updates nothing
+        if frame is not None:
             _scaling.update(frame["ran"].values())
 
 
 def checkpoint(function, *args, **kwargs):
-    """``torch.utils.checkpoint.checkpoint`` (non-reentrant) for code with tpfp8 layers:
-    backward recomputes the block in FP8 exactly as it first ran -- under the same
-    ``fp8_autocast`` frames and, with delayed scaling, with the scales that forward used (the
-    step's update has moved them since), folding no amax twice and updating nothing -- so the
-    gradients equal those of the step without checkpointing. It may be called inside or
-    outside ``fp8_autocast``, nested, and the block may open its own ``fp8_autocast``.
-    (Plain ``torch.utils.checkpoint`` recomputes outside ``fp8_autocast``.) Other keyword
-    arguments go to ``torch.utils.checkpoint.checkpoint``; it sets ``context_fn`` itself."""
-    if "context_fn" in kwargs or kwargs.pop("use_reentrant", False) is not False:
-        raise ValueError("tpfp8.checkpoint is non-reentrant and sets context_fn itself; call "
-                         "it without use_reentrant=True and context_fn")
-    base = _top()
-    keys = _checkpoint_keys(base)
-    scales = keys.get("record", keys.get("replay", {}))  # module -> its first forward's scales
-
-    def contexts():
-        return _CheckpointFrame(base, "record", scales), _CheckpointFrame(base, "replay", scales)
-
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
-                                             context_fn=contexts, **kwargs)
-
-
-class _CheckpointFrame:
-    """The frame a checkpointed block runs in: like `base` (where the checkpoint was called;
-    None: high precision), recording the scales its layers cast with (first forward; updates
-    go to `base`'s exit as without checkpointing) or replaying them (recompute: no update, the
-    step's ran already). A class, not a generator: backward may recompute a block twice."""
-
-    def __init__(self, base, mode: str, scales: dict):
-        self.base, self.mode, self.scales = base, mode, scales
-
-    def __enter__(self):
-        base = self.base or {"recipe": None, "amax_group": None}
-        ran = base.get("ran", {}) if self.mode == "record" else {}
-        frame = _frame(base["recipe"], base["amax_group"], ran, self.base)
-        frame[self.mode] = self.scales
-        _stack().append(frame)
-
-    def __exit__(self, *exc) -> None:
-        _stack().pop()
-
-
-def record_scales(frame, module, scale) -> None:
-    """Inside a checkpointed forward: keeps the scales `module` cast with for the recompute."""
-    record = frame.get("record")
-    if record is not None and module not in record:
-        record[module] = scale.clone()
-
-
-def replayed_scales(frame, module):
-    """In a checkpoint's recompute, the scales `module`'s first forward cast with, else None."""
-    replay = frame.get("replay") if frame is not None else None
-    return None if replay is None else replay.get(module)
+    """``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)``.
+    Plain ``torch.utils.checkpoint`` (reentrant or not) works with tpfp8 layers as it is: a
+    layer's forward run by backward recomputes it as it first ran -- in FP8 under the same
+    recipe wherever backward runs, with delayed scaling's scales of that forward (the step's
+    update may have moved them since), folding no amax and updating nothing -- so the gradients
+    equal those of the step without checkpointing. Kept for code written against it."""
+    kwargs.setdefault("use_reentrant", False)
+    return torch.utils.checkpoint.checkpoint(function, *args, **kwargs)
 
 
 def register(frame, layer) -> None:

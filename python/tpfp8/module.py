@@ -94,6 +94,14 @@ class Linear(nn.Linear):
         for name in _STATE:
             self.register_buffer(name, None, persistent=False)  # checkpointed as extra state
         self._fp8_recipe, self._fp8_amax_group = None, None
+        # For activation checkpointing: the scales before the last delayed-scaling update
+        # (made by the first update) and the number of updates so far; how forwards ran
+        # (`_Ran`, `_record_forward`): those of non-reentrant checkpoints, oldest first, the
+        # last without grad (a reentrant checkpoint's), and the last one a recompute repeated
+        # (a second backward repeats it).
+        self.register_buffer("fp8_scale_prev", None, persistent=False)
+        self._fp8_updates = 0
+        self._fp8_ran, self._fp8_ran_no_grad, self._fp8_replayed = [], None, None
         # The cached FP8 weight (is_first_microbatch), made by the first call that fills it.
         for name in ("_fp8_weight_rowwise", "_fp8_weight_columnwise", "_fp8_weight_scale_inv"):
             self.register_buffer(name, None, persistent=False)
@@ -238,6 +246,7 @@ class Linear(nn.Linear):
         sets it again."""
         state = super().__getstate__()  # a copy already
         state["_fp8_amax_group"] = None
+        state.update(_fp8_ran=[], _fp8_ran_no_grad=None, _fp8_replayed=None)  # (groups too)
         return state
 
     def __setstate__(self, state) -> None:
@@ -251,6 +260,7 @@ class Linear(nn.Linear):
         for group in (self.tp_group, self._fp8_amax_group):
             if group is not None:
                 memo[id(group)] = group
+        memo[id(self._fp8_ran)] = []  # (a copy has run no forward: what it would repeat)
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         new.__setstate__(copy.deepcopy(super().__getstate__(), memo))
@@ -331,13 +341,14 @@ class Linear(nn.Linear):
         """
         param, config = self.weight, self._config
         self._check_type(x)
-        frame = _autocast.current()
+        recompute = _autocast.recomputing()
+        frame = self._recompute_frame() if recompute else _autocast.current()
         recipe = frame["recipe"] if frame is not None else None
         x, weight, bias = self._compute_dtype(x, param, in_fp8=recipe is not None)
         bias_out = None
         if config.return_bias:
             bias_out, bias = bias, None
-        call = self._prepare(config, recipe, frame, x, param, is_first_microbatch)
+        call = self._prepare(config, recipe, frame, x, param, is_first_microbatch, recompute)
         a = call.args
         scale, _, amax_history, grad_amax_history = call.state or (None,) * len(_STATE)
         y = torch.ops.tpfp8.linear(
@@ -348,17 +359,19 @@ class Linear(nn.Linear):
             config.sequence_parallel, config.group_name, a.debug, a.main_grad_overwrite,
             a.saves_input, a.need_dgrad, a.need_wgrad)
         if not x.is_meta:
-            self._commit(call, param, frame)
+            self._commit(call, param, frame, recompute)
         return (y, bias_out) if config.return_bias else y
 
-    def _prepare(self, config, recipe, frame, x, param, is_first_microbatch) -> "_Call":
+    def _prepare(self, config, recipe, frame, x, param, is_first_microbatch,
+                 recompute) -> "_Call":
         """The op's arguments for this call, and the state made for it (kept by `_commit`
         once the call succeeded)."""
         delayed = isinstance(recipe, DelayedScaling)
         call = _Call(args=None)
         if delayed:
             call.state, call.new_state = self._delayed_state(recipe, x.device)
-            call.replay = _autocast.replayed_scales(frame, self)
+            if recompute:
+                call.replay = self._forward_scales()
             call.amax_group = _parallel.amax_group_for(self.tp_group, config.sequence_parallel,
                                                        frame["amax_group"])
         cache_mode, call.weight_cache, call.new_cache = self._weight_cache_for(
@@ -412,9 +425,56 @@ class Linear(nn.Linear):
                          torch.empty(1, device=self.weight.device))
         return (_WEIGHT_CACHE_FILL if is_first_microbatch else _WEIGHT_CACHE_REUSE), cache, new
 
-    def _commit(self, call: "_Call", weight, frame) -> None:
-        """Keeps what a successful call made (FP8 state, weight cache, main_grad) and
-        schedules the delayed-scaling update for the exit of the fp8_autocast block."""
+    def _record_forward(self, frame) -> None:
+        """Keeps how this forward ran if a checkpoint may recompute it: under saved-tensor
+        hooks with grad enabled (a non-reentrant checkpoint's), or without grad (a reentrant
+        checkpoint's, or an evaluation: only the last is kept). A compiled graph's recompute
+        runs no Python: nothing is kept while compiling."""
+        ran = _Ran(self._fp8_updates, *((frame["recipe"], frame["amax_group"])
+                                        if frame is not None else (None, None)))
+        if not torch.is_grad_enabled():
+            self.__dict__["_fp8_ran_no_grad"] = ran  # (nn.Module.__setattr__: host time)
+        elif torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            self._fp8_ran.append(ran)
+
+    def _repeated(self) -> "_Ran":
+        """The forward a recompute repeats: the oldest with grad enabled not yet repeated, else
+        the one repeated last (a second backward), else the last without grad."""
+        if self._fp8_ran:
+            self._fp8_replayed = self._fp8_ran.pop(0)
+            return self._fp8_replayed
+        for ran in (self._fp8_replayed, self._fp8_ran_no_grad):
+            if ran is not None and self._fp8_updates - ran.updates <= 1:
+                return ran
+        return self._fp8_ran_no_grad or _Ran(self._fp8_updates, None, None)
+
+    def _recompute_frame(self) -> Optional[dict]:
+        """The fp8_autocast frame a recompute runs in: that of the forward it repeats (where
+        backward runs does not matter), registering nothing for an update."""
+        ran = self.__dict__["_fp8_repeating"] = self._repeated()
+        if ran.recipe is None:
+            return None
+        return {"recipe": ran.recipe, "amax_group": ran.amax_group, "ran": {}}
+
+    def _forward_scales(self) -> torch.Tensor:
+        """The scales the forward being recomputed cast with: today's, or those before the
+        one delayed-scaling update that ran since (a backward after fp8_autocast's exit)."""
+        since = self._fp8_updates - self._fp8_repeating.updates
+        if since == 0:
+            return self.fp8_scale
+        if since == 1:
+            return self.fp8_scale_prev
+        raise RuntimeError(
+            f"an activation checkpoint recomputes tpfp8.Linear {self.name or ''} after {since} "
+            f"delayed-scaling updates since its forward; its scales are kept for one: run "
+            f"backward before the fp8_autocast block of the next step exits")
+
+    def _commit(self, call: "_Call", weight, frame, recompute: bool) -> None:
+        """Keeps what a successful call made (FP8 state, weight cache, main_grad), records
+        how it ran for a recompute, and schedules the delayed-scaling update for the exit of
+        the fp8_autocast block."""
+        if not recompute and not torch.compiler.is_compiling():
+            self._record_forward(frame)
         if call.new_main_grad is not None:
             weight.main_grad = call.new_main_grad
         if call.new_cache:
@@ -427,12 +487,11 @@ class Linear(nn.Linear):
             self._fp8_recipe = frame["recipe"]
         if self._fp8_amax_group is not call.amax_group:
             self._fp8_amax_group = call.amax_group
-        if call.replay is None:
-            _autocast.record_scales(frame, self, self.fp8_scale)
-            # A reused weight cache recorded no new amax: the step's update comes with the
-            # micro-batch that filled it.
-            if call.args.weight_cache != _WEIGHT_CACHE_REUSE:
-                _autocast.register(frame, self)
+        # A recompute records no amax and updates nothing: its step's forward did. A reused
+        # weight cache recorded no new amax: the step's update comes with the micro-batch that
+        # filled it.
+        if not recompute and call.args.weight_cache != _WEIGHT_CACHE_REUSE:
+            _autocast.register(frame, self)
 
     def _compute_dtype(self, x, weight, in_fp8: bool):
         """(x, weight, bias) in the dtype the GEMMs run in: torch.autocast's if enabled (the
@@ -455,7 +514,7 @@ _CARRIED = ("tensor_model_parallel", "partition_dim", "main_grad")
 
 # Buffers that stay float32 whatever the parameters become.
 _STATE = ("fp8_scale", "fp8_scale_inv", "fp8_amax_history", "fp8_grad_amax_history")
-_FP32_STATE = _STATE + ("_fp8_weight_scale_inv",)
+_FP32_STATE = _STATE + ("fp8_scale_prev", "_fp8_weight_scale_inv")
 
 # Set in __init__ and fixed after: they decide the parameters' shapes and split.
 _FIXED_AFTER_INIT = frozenset(
@@ -476,6 +535,14 @@ class LinearConfig(NamedTuple):
 
 # The settings that may change between steps, and make the config again when they do.
 _SETTINGS = frozenset(("save_original_input", "fuse_wgrad_accumulation", "return_bias"))
+
+
+class _Ran(NamedTuple):
+    """How a forward ran, for a recompute to repeat it: the layer's delayed-scaling updates
+    before it, its recipe (None: high precision) and amax group."""
+    updates: int
+    recipe: object
+    amax_group: object
 
 
 class _CallArgs(NamedTuple):

@@ -102,10 +102,12 @@ def update(layers: Iterable) -> None:
     history length, recipe and amax group, one all-reduce of all the newest amaxes (tensor
     parallelism) and one launch per 96 tensors, on each layer's own buffers. Every rank of an
     amax group calls this with its layers in the same order (the order their forwards ran)."""
-    batches = {}
+    batches, scales, previous = {}, [], []
     for layer in layers:
         state, recipe, group = layer._buffers, layer._fp8_recipe, layer._fp8_amax_group
         history = state["fp8_amax_history"]
+        scales.append(_with_previous(layer, state))
+        previous.append(state["fp8_scale_prev"])
         key = (history.device, history.shape[1], recipe.margin, recipe.amax_compute_algo, group)
         batch = batches.get(key)
         if batch is None:
@@ -115,5 +117,24 @@ def update(layers: Iterable) -> None:
         batch[2].append(history)
         batch[3].append(state["fp8_grad_amax_history"])
         batch[4].extend(_cached_maxima(recipe))
+    if scales:  # what a checkpoint's recompute after this update casts with
+        torch._foreach_copy_(previous, scales)
     for (_, _, margin, algo, group), batch in batches.items():
         _C.update_layers(*batch, margin, algo == "max", "" if group is None else group.group_name)
+
+
+def _with_previous(layer, state: dict) -> torch.Tensor:
+    """The layer's scale, counting the update about to run and making the buffer that keeps
+    the scale before it (the first time, or after the state moved)."""
+    scale, previous = state["fp8_scale"], state["fp8_scale_prev"]
+    if previous is None or previous.device != scale.device:
+        with torch.inference_mode(False):
+            state["fp8_scale_prev"] = torch.empty_like(scale)
+    layer._fp8_updates += 1
+    # A forward two updates back can no longer be repeated; kept, it makes its recompute fail
+    # clearly rather than cast with other scales. Older ones go (saved-tensor hooks other than
+    # a checkpoint's record forwards that are never recomputed).
+    ran = layer._fp8_ran
+    while ran and ran[0].updates < layer._fp8_updates - 2:
+        ran.pop(0)
+    return scale
