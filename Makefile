@@ -63,7 +63,7 @@ test: test-cpp test-py test-cpu-only
 demo: build-python
 	@$(PYTHON) -c "import matplotlib" 2>/dev/null || $(PYTHON) -m pip install -q matplotlib
 	$(PYTHON) -m tpfp8.selfcheck
-	$(PYTHON) -m tpfp8.demo --tp 2
+	$(PYTHON) -m tpfp8.demo
 	$(PYTHON) bench/cast.py
 
 format:
