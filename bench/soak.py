@@ -53,9 +53,10 @@ def scales(model):
     scaling). Histories are not compared: the weight's rolled on the NaN step too."""
     out = []
     for m in model:
-        extra = m.state_dict()["_extra_state"] if isinstance(m, tpfp8.Linear) else None
-        if extra is not None:
-            out += [extra[d][k] for d in ("forward", "backward") for k in ("scale", "scale_inv")]
+        state = m.fp8_state if isinstance(m, tpfp8.Linear) else None
+        if state is not None:
+            out += [state[d][k].clone() for d in ("forward", "backward")
+                    for k in ("scale", "scale_inv")]
     return out
 
 

@@ -1,6 +1,7 @@
 """tpfp8.Linear on one device: against nn.Linear outside FP8, against an independent float64
 emulation of the FP8 casts inside it, delayed-scaling bookkeeping, caches, errors, training."""
 import copy
+import dataclasses
 import functools
 import io
 from contextlib import nullcontext
@@ -301,10 +302,17 @@ def test_state_dict_loads_with_weights_only():
     assert fresh.fp8_state["recipe"] == recipe
     for a, b in zip(state_of(lin), state_of(fresh)):
         assert torch.equal(a, b)
-    old_style = lin.state_dict()  # checkpoints before the state held plain values
-    old_style["_extra_state"]["recipe"] = recipe
-    fresh.load_state_dict(old_style)
-    assert fresh.fp8_state["recipe"] == recipe
+    # Checkpoints written before the tensor layout: a dict, its recipe a dict or (older still)
+    # the DelayedScaling itself.
+    for saved_recipe in (dataclasses.asdict(recipe), recipe):
+        old_style = lin.state_dict()
+        old_style["_extra_state"] = {d: lin.fp8_state[d] for d in ("forward", "backward")}
+        old_style["_extra_state"]["recipe"] = saved_recipe
+        fresh, _ = make(seed=20)
+        fresh.load_state_dict(old_style)
+        assert fresh.fp8_state["recipe"] == recipe
+        for a, b in zip(state_of(lin), state_of(fresh)):
+            assert torch.equal(a, b)
 
 
 def test_module_move_keeps_weight_cache_when_nothing_changed_and_moves_main_grad():

@@ -14,17 +14,24 @@ from torch import nn
 import tpfp8
 
 
-def fp8_state(lin):
-    """The module's FP8 state as saved in a checkpoint: {direction: {name: tensor}}."""
+def saved_state(lin):
+    """The module's FP8 state as saved in a checkpoint: {direction: {name: tensor}, "recipe":
+    DelayedScaling}, or None (no delayed-scaling step yet)."""
     extra = lin.state_dict()["_extra_state"]
-    return {d: {k: v.clone() for k, v in extra[d].items()} for d in ("forward", "backward")}
+    if extra.numel() == 0:
+        return None
+    state, recipe = tpfp8.scaling.from_tensor(extra, extra.device)
+    return {**tpfp8.scaling.split(*state), "recipe": recipe}
+
+
+def fp8_state(lin):
+    """The saved FP8 state's tensors: {direction: {name: tensor}}."""
+    return {d: v for d, v in saved_state(lin).items() if d != "recipe"}
 
 
 def everything(lin):
     """Every piece of a module's state a rejected call must leave alone, as comparable values."""
-    extra = lin.state_dict().get("_extra_state")
-    fp8 = None if extra is None else {d: {k: v.clone() for k, v in extra[d].items()}
-                                      for d in ("forward", "backward")}
+    fp8 = fp8_state(lin) if saved_state(lin) is not None else None
     main_grad = getattr(lin.weight, "main_grad", None)
     return (fp8, None if main_grad is None else main_grad.clone(),
             lin.state_dict()["weight"].clone())
@@ -119,7 +126,7 @@ def test_rejected_size_check_allocates_no_main_grad(recipe):
     with tpfp8.fp8_autocast(recipe=recipe), pytest.raises(ValueError, match="multiples of 16"):
         lin(torch.randn(4, 24))
     assert getattr(lin.weight, "main_grad", None) is None
-    assert lin.state_dict()["_extra_state"] is None
+    assert saved_state(lin) is None
 
 
 @pytest.mark.parametrize("history_len", [1024, 16])
@@ -141,7 +148,7 @@ def test_rejected_call_keeps_fp8_state_cache_and_main_grad(history_len):
             lin(x, is_first_microbatch=True)
     lin.weight.main_grad = good_main_grad
     assert same(everything(lin), before)
-    assert lin.state_dict()["_extra_state"]["recipe"]["amax_history_len"] == 1024
+    assert saved_state(lin)["recipe"].amax_history_len == 1024
     with tpfp8.fp8_autocast():
         got = lin(x, is_first_microbatch=False)  # the cache from the real steps, still filled
     assert torch.equal(got, want)
@@ -239,7 +246,7 @@ def test_a_failed_backward_leaves_nothing_queued():
         y = lin(x)
     with pytest.raises(RuntimeError, match="hook failure"):
         y.sum().backward()
-    state = weakref.ref(lin.state_dict()["_extra_state"]["backward"]["scale"])
+    state = weakref.ref(lin.fp8_grad_amax_history)
     del lin, y
     gc.collect()
     assert state() is None
@@ -338,7 +345,7 @@ def test_meta_device_works_like_nn_linear(fp8):
     assert (y.shape, y.dtype, y.device) == (want.shape, want.dtype, want.device)
     y.sum().backward()
     assert x.grad.shape == x.shape and lin.weight.grad.shape == lin.weight.shape
-    assert lin.state_dict()["_extra_state"] is None  # a shape pass makes no FP8 state
+    assert saved_state(lin) is None  # a shape pass makes no FP8 state
 
 
 def test_deferred_initialisation_then_fp8_training():
@@ -495,16 +502,13 @@ def test_reload_writes_into_the_live_state_tensors():
     lin = tpfp8.Linear(32, 32)
     with tpfp8.fp8_autocast():
         lin(torch.randn(8, 32))
-    saved = {k: v for k, v in lin.state_dict().items()}
-    saved["_extra_state"] = fp8_state(lin) | {"recipe": saved["_extra_state"]["recipe"]}
-    live = lin.state_dict()["_extra_state"]["forward"]["scale"]
+    saved, saved_scale = lin.state_dict(), lin.fp8_scale.clone()
+    live = lin.fp8_scale
     with tpfp8.fp8_autocast():
         lin(torch.randn(8, 32) * 100)
-    assert not torch.equal(live, saved["_extra_state"]["forward"]["scale"])
+    assert not torch.equal(live, saved_scale)
     lin.load_state_dict(saved)
-    now = lin.state_dict()["_extra_state"]["forward"]["scale"]
-    assert now.data_ptr() == live.data_ptr()
-    assert torch.equal(live, saved["_extra_state"]["forward"]["scale"])
+    assert lin.fp8_scale is live and torch.equal(live, saved_scale)
 
 
 # ---- state made with the layer: initialisation paths, moves, argument checks --------------

@@ -492,8 +492,9 @@ def check_nan_step(group):
             # The last backward's amax is pending (this rank's own) until an exit rolls it in.
             with torch.no_grad(), tpfp8.fp8_autocast(recipe=recipe):
                 layer(local_view(mode, True, group, full_x, full_dy)[0])
-            extra = layer.state_dict()["_extra_state"]
-            states.append({d: extra[d] for d in ("forward", "backward")})
+            state = layer.fp8_state
+            states.append({d: {k: v.clone() for k, v in state[d].items()}
+                           for d in ("forward", "backward")})
         bad_dir = "forward" if mode == "column" else "backward"
         for key in ("scale", "scale_inv", "amax_history"):
             got, want = states[1][bad_dir][key], states[0][bad_dir][key]

@@ -16,11 +16,11 @@ from . import ops
 from . import parallel
 from . import debug
 from .autocast import checkpoint, fp8_autocast
-from .module import Linear, swap_linear
+from .module import Linear, load_fp8_state, swap_linear
 from .recipe import CurrentScaling, DelayedScaling
 
 __all__ = ["CurrentScaling", "DelayedScaling", "Fp8Format", "Linear", "checkpoint", "debug",
-           "fp8_autocast", "ops", "parallel", "swap_linear", "with_cuda"]
+           "fp8_autocast", "load_fp8_state", "ops", "parallel", "swap_linear", "with_cuda"]
 __version__ = "0.1.0"
 
 

@@ -4,7 +4,9 @@ linear_forward / linear_backward, csrc/linear_autograd.cpp); this file holds the
 parameters, FP8 state (as buffers) and frozen config, and makes the op's arguments."""
 import copy
 import dataclasses
+import glob
 import math
+import os
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -199,25 +201,32 @@ class Linear(nn.Linear):
         state = _scaling.split(*self._state())
         return {**state, "recipe": self._fp8_recipe, "amax_group": self._fp8_amax_group}
 
-    def get_extra_state(self):
-        """FP8 state (delayed-scaling scales and amax histories) for checkpoints: tensors and
-        plain values only, so ``torch.load(..., weights_only=True)`` (its default) reads it."""
+    def get_extra_state(self) -> torch.Tensor:
+        """FP8 state (delayed-scaling scales and amax histories, and the recipe they follow)
+        for checkpoints, as one float32 tensor (`scaling.to_tensor`; empty before the first
+        delayed-scaling step): what Hugging Face's ``save_pretrained`` and safetensors take, and
+        ``torch.load(..., weights_only=True)`` reads."""
         if self._fp8_recipe is None:
-            return None
-        state = _scaling.split(*self._state())
-        return {**state, "recipe": dataclasses.asdict(self._fp8_recipe)}
+            return torch.empty(0, device=self.weight.device)
+        return _scaling.to_tensor(self._state(), self._fp8_recipe)
 
     def set_extra_state(self, state) -> None:
         """Loads the FP8 state as it was saved (its recipe, its history length); a forward
         with another ``amax_history_len`` then resizes the histories, keeping the newest
         entries. State of the same layout is loaded into the module's own buffers (those a
-        captured CUDA graph updates)."""
-        if not state:
+        captured CUDA graph updates). Also reads the dict of checkpoints written before the
+        tensor layout."""
+        if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0) or \
+                (isinstance(state, dict) and not state):
             return
-        recipe = state["recipe"]
-        if isinstance(recipe, dict):  # (older checkpoints hold the DelayedScaling itself)
-            recipe = DelayedScaling(**recipe)
-        loaded = _scaling.joined(state, self.weight.device)
+        device = self.weight.device
+        if isinstance(state, torch.Tensor):
+            loaded, recipe = _scaling.from_tensor(state, device)
+        else:
+            recipe = state["recipe"]
+            if isinstance(recipe, dict):  # (older checkpoints hold the DelayedScaling itself)
+                recipe = DelayedScaling(**recipe)
+            loaded = _scaling.joined(state, device)
         mine = self._state()
         same = all(a.shape == b.shape and a.device == b.device for a, b in zip(mine, loaded))
         with torch.no_grad():
@@ -608,3 +617,37 @@ def swap_linear(model: nn.Module,
             if type(child) is nn.Linear and (filter_fn is None or filter_fn(child, full)):
                 setattr(module, child_name, convert(child, full))
     return model
+
+
+def load_fp8_state(model: nn.Module, checkpoint) -> int:
+    """Loads the FP8 state (``_extra_state``) of every ``tpfp8.Linear`` in ``model`` from
+    ``checkpoint``: a state dict, or a folder of ``*.safetensors`` files (what Hugging Face's
+    ``save_pretrained`` writes, sharded or not). For a model loaded with ``from_pretrained``
+    and then converted with :func:`swap_linear`: the plain model it was built as has no place
+    for the FP8 state, so ``from_pretrained`` loads the weights and leaves it out. Returns the
+    number of layers that got a state (those saved before their first delayed-scaling step
+    have none to get)."""
+    if isinstance(checkpoint, (str, os.PathLike)):
+        checkpoint = _extra_states_in(checkpoint)
+    loaded = 0
+    for name, module in model.named_modules():
+        saved = checkpoint.get(f"{name}._extra_state" if name else "_extra_state")
+        if isinstance(module, Linear) and saved is not None:
+            module.set_extra_state(saved)
+            loaded += module._fp8_recipe is not None
+    return loaded
+
+
+def _extra_states_in(folder) -> dict:
+    """The ``*._extra_state`` tensors of the safetensors files in ``folder``."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {folder}: pass the folder "
+                         f"save_pretrained wrote, or a state dict")
+    states = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            states.update({k: f.get_tensor(k) for k in f.keys() if k.endswith("_extra_state")})
+    return states

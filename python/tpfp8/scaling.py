@@ -97,6 +97,45 @@ def joined(state: dict, device) -> tuple:
                 f32(fwd["amax_history"].t()), f32(bwd["amax_history"].t()))
 
 
+# A layer's FP8 state in a checkpoint: one float32 tensor (what Hugging Face's save_pretrained
+# and safetensors take; torch.load(weights_only=True) reads it too): a header -- layout
+# version, then the DelayedScaling's margin, format (0 hybrid, 1 e4m3), history length and
+# algorithm (0 max, 1 most_recent) -- then scale [3], scale_inv [3], the forward histories
+# [2, H] and the gradient's [1, H]. Empty: no delayed-scaling step yet.
+_LAYOUT = 1
+_HEADER = 5
+_FORMAT_CODES, _ALGO_CODES = ("hybrid", "e4m3"), ("max", "most_recent")
+
+
+def to_tensor(state: tuple, recipe: DelayedScaling) -> torch.Tensor:
+    """The checkpoint tensor of `state` (scale, scale_inv, amax_history, grad_amax_history)."""
+    header = torch.tensor([_LAYOUT, recipe.margin, _FORMAT_CODES.index(recipe.fp8_format),
+                           recipe.amax_history_len,
+                           _ALGO_CODES.index(recipe.amax_compute_algo)],
+                          dtype=torch.float32, device=state[0].device)
+    return torch.cat([header] + [t.reshape(-1) for t in state])
+
+
+def from_tensor(saved: torch.Tensor, device) -> tuple:
+    """(state tensors on `device`, DelayedScaling) from a checkpoint tensor (`to_tensor`)."""
+    flat = saved.detach().to(device, torch.float32).reshape(-1)
+    header = [int(v) for v in flat[:_HEADER].tolist()]
+    if len(header) < _HEADER or header[0] != _LAYOUT:
+        raise ValueError(f"tpfp8.Linear FP8 state: unknown layout (header {header}); this "
+                         f"tpfp8 reads layout {_LAYOUT}, written by tpfp8 >= 0.1")
+    _, margin, fmt, length, algo = header
+    if flat.numel() != _HEADER + 6 + 3 * length:
+        raise ValueError(f"tpfp8.Linear FP8 state: {flat.numel()} values, expected "
+                         f"{_HEADER + 6 + 3 * length} for a history of {length}")
+    recipe = DelayedScaling(margin=margin, fp8_format=_FORMAT_CODES[fmt],
+                            amax_history_len=length, amax_compute_algo=_ALGO_CODES[algo])
+    with torch.inference_mode(False):
+        parts = flat[_HEADER:].split([3, 3, 2 * length, length])
+        state = (parts[0].clone(), parts[1].clone(), parts[2].reshape(2, length).clone(),
+                 parts[3].reshape(1, length).clone())
+    return state, recipe
+
+
 def update(layers: Iterable) -> None:
     """Rolls the histories and updates the scales of many layers at once: per device,
     history length, recipe and amax group, one all-reduce of all the newest amaxes (tensor
