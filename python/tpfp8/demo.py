@@ -103,18 +103,23 @@ def resolve(args, cuda: bool):
 
 # -- data -----------------------------------------------------------------------------------
 
-def stdlib_bytes(max_mb: float) -> torch.Tensor:
-    """The bytes of the standard library's .py files, in sorted path order without
-    site-packages, up to max_mb MB: uint8 [n]."""
-    limit, chunks, size = int(max_mb * 2**20), [], 0
+def stdlib_sources():
+    """The paths of the standard library's .py files (without site-packages), sorted."""
     for folder, dirs, files in os.walk(os.path.dirname(os.__file__)):
         dirs[:] = sorted(d for d in dirs if d not in ("site-packages", "__pycache__"))
-        for name in sorted(f for f in files if f.endswith(".py")):
-            if size >= limit:
-                break
-            with open(os.path.join(folder, name), "rb") as f:
-                chunks.append(f.read())
-            size += len(chunks[-1])
+        yield from (os.path.join(folder, f) for f in sorted(files) if f.endswith(".py"))
+
+
+def stdlib_bytes(max_mb: float) -> torch.Tensor:
+    """The first max_mb MB of the standard library's sources, one file after the other:
+    uint8 [n]."""
+    limit, chunks, size = int(max_mb * 2**20), [], 0
+    for path in stdlib_sources():
+        if size >= limit:
+            break
+        with open(path, "rb") as f:
+            chunks.append(f.read())
+        size += len(chunks[-1])
     return torch.frombuffer(bytearray(b"".join(chunks)[:limit]), dtype=torch.uint8)
 
 
@@ -344,9 +349,14 @@ def parameters(model, group) -> int:
     return sum(p.numel() * (tp if p in sharded else 1) for p in model.parameters())
 
 
+def device_name(device) -> str:
+    """The GPU's name, or "CPU"."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+
 def describe(args, model, data, group, device, backend) -> str:
     """The header line: model, data, steps and where it runs."""
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
+    where = device_name(device)
     if group is not None:
         where = f"{args.tp} ranks ({backend}, {where})"
     return (f"tpfp8 demo: a {parameters(model, group) / 1e6:,.1f} M-parameter decoder "
@@ -363,7 +373,7 @@ def fp8_linears(model) -> dict:
             "fp8_linears_with_state": sum(m.fp8_state is not None for m in layers)}
 
 
-def summarize(args, runs: dict, model) -> dict:
+def summarize(args, runs: dict, model, device) -> dict:
     """The numbers of both runs: final losses (mean of the last 10 % of steps), their relative
     gap, tokens/s and their ratio, every step's loss."""
     (hp, hp_tps), (f8, f8_tps) = runs.values()
@@ -373,14 +383,17 @@ def summarize(args, runs: dict, model) -> dict:
             "gap": (f8_final - hp_final) / hp_final, "final_over_steps": tail,
             "hp_tokens_per_s": hp_tps, "fp8_tokens_per_s": f8_tps, "speedup": f8_tps / hp_tps,
             "timed_steps": args.steps - max(1, args.steps // 10), "hp_losses": hp,
-            "fp8_losses": f8, **fp8_linears(model), "args": vars(args)}
+            "fp8_losses": f8, **fp8_linears(model), "device": device_name(device),
+            "args": vars(args)}
 
 
 def report(s: dict, device) -> None:
     """Prints the comparison."""
     hp, f8 = s["labels"]
-    print(f"{s['fp8_linears']} Linears ran in FP8 ({s['fp8_linears_with_state']} with "
-          f"delayed-scaling state); the LM head in {s['args']['dtype']}")
+    state = (f" ({s['fp8_linears_with_state']} with delayed-scaling state)"
+             if s["args"]["recipe"] == "delayed" else "")
+    print(f"{s['fp8_linears']} Linears computed in FP8{state}; the LM head in "
+          f"{s['args']['dtype']}")
     print(f"tokens/s over the last {s['timed_steps']} steps: {hp} "
           f"{s['hp_tokens_per_s']:,.0f}, {f8} {s['fp8_tokens_per_s']:,.0f}: "
           f"{s['speedup']:.2f}x")
@@ -407,9 +420,8 @@ def plot(path, s: dict) -> None:
         ax.plot(range(1, len(losses) + 1), losses, label=f"{label}: {tps:,.0f} tokens/s")
     ax.set_xlabel("step")
     ax.set_ylabel("next-byte cross entropy (nats)")
-    ax.set_yscale("log")
-    ax.set_title(f"tpfp8 demo: FP8 {s['speedup']:.2f}x the tokens/s, final loss gap "
-                 f"{100 * s['gap']:+.2f} %")
+    ax.set_title(f"tpfp8 demo on {s['device']}: FP8 at {s['speedup']:.2f}x the tokens/s, "
+                 f"final loss gap {100 * s['gap']:+.2f} %", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -443,7 +455,7 @@ def run(args, group, device, backend="") -> dict:
         runs[fp8_label] = train(fp8_model, data, args, True, group, fp8_label)
     finally:
         tpfp8.debug.shutdown()
-    summary = summarize(args, runs, fp8_model)
+    summary = summarize(args, runs, fp8_model, device)
     if rank0:
         report(summary, device)
         write(args, summary)
