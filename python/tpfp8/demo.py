@@ -12,7 +12,7 @@ curves (demo_loss.png, with matplotlib) and the numbers (demo.json) to --out.
 
 On a GPU the default model is one where FP8 pays: 4 layers of hidden 4096, FFN 14336 and 32
 heads (1 B parameters), 4 sequences of 2048 bytes a step, in bf16. On the CPU, where FP8 is
-emulated by the reference kernels (exact, not fast), it is tiny and runs in seconds.
+emulated by the reference kernels (exact, not fast), it is tiny: well under a minute.
 
 With --tp N (default: 2 when two GPUs are visible, else 1) the demo starts itself under
 torchrun with N ranks (NCCL with a GPU each, else gloo) and splits the layers Megatron-style:
