@@ -1,6 +1,6 @@
 # tpfp8: the two commands of the README, and their parts.
-#   make demo   set up, build, self-check, train the tensor-parallel FP8 demo (2 ranks), and
-#               run the cast benchmark on this machine's device
+#   make demo   set up, build, self-check, train the Llama-style decoder demo in bf16 and FP8
+#               (tensor-parallel on 2 GPUs where there are 2), and run the cast benchmark
 #   make test   set up, build, run GoogleTest (ctest) and pytest, then pytest again on the
 #               CPU-only build (TPFP8_FORCE_CPU=1)
 PYTHON ?= python3
@@ -15,7 +15,7 @@ export MAX_JOBS ?= $(JOBS)
 	format lint clean
 
 help:
-	@echo "make demo    set up, build, self-check, tensor-parallel FP8 training demo, cast benchmark"
+	@echo "make demo    set up, build, self-check, FP8 vs bf16 decoder training demo, cast benchmark"
 	@echo "make test    set up, build, GoogleTest + pytest, and pytest on the CPU-only build"
 	@echo "make format  clang-format C++/CUDA sources"
 	@echo "make lint    ruff over the Python code"

@@ -325,7 +325,8 @@ def check_quantize_after_gather(group):
 
 def check_deepcopy(group):
     """copy.deepcopy of a tensor-parallel layer after FP8 steps: the copy shares the process
-    groups (a ProcessGroup cannot be copied), owns its FP8 state, and steps as the original."""
+    groups (a ProcessGroup cannot be copied), keeps the weight's tensor-parallel attributes,
+    owns its FP8 state, and steps as the original."""
     global checks
     recipe = tpfp8.DelayedScaling(amax_history_len=4)
     for mode, sp in itertools.product(("column", "row"), (False, True)):
@@ -336,6 +337,9 @@ def check_deepcopy(group):
         step_tp(layer, mode, sp, group, full_x, full_dy, recipe)
         twin = copy.deepcopy(layer)
         assert twin.tp_group is group
+        checks += 1  # the layout optimizers and checkpointers read, kept on the copy
+        assert (twin.weight.tensor_model_parallel, twin.weight.partition_dim) == \
+            (True, 0 if mode == "column" else 1)
         own, other = fwd_state(twin)["amax_history"], fwd_state(layer)["amax_history"]
         assert own.data_ptr() != other.data_ptr()
         for a, b in zip(step_tp(layer, mode, sp, group, full_x, full_dy, recipe),

@@ -273,6 +273,12 @@ class Linear(nn.Linear):
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         new.__setstate__(copy.deepcopy(super().__getstate__(), memo))
+        # A Parameter's deepcopy drops what was set on it: keep the tensor-parallel layout
+        # (optimizers and checkpointers read it); main_grad, like .grad, is not copied.
+        for mine, theirs in ((self.weight, new.weight), (self.bias, new.bias)):
+            for attr in ("tensor_model_parallel", "partition_dim"):
+                if mine is not None and hasattr(mine, attr):
+                    setattr(theirs, attr, getattr(mine, attr))
         return new
 
     def __setattr__(self, name, value):
