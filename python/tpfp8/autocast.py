@@ -36,6 +36,16 @@ def _frame(recipe, amax_group) -> dict:
     return {"recipe": recipe, "amax_group": amax_group, "ran": {}}
 
 
+_TOP_SAVED_TENSOR_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def under_saved_tensor_hooks() -> bool:
+    """Whether saved-tensor hooks are active: inside a non-reentrant checkpoint's forward
+    (where a torch cannot tell, assume so: the layers' queues of such forwards are pruned at
+    each update anyway)."""
+    return _TOP_SAVED_TENSOR_HOOKS is None or _TOP_SAVED_TENSOR_HOOKS(False) is not None
+
+
 def recomputing() -> bool:
     """Whether a forward runs inside a backward pass: an activation checkpoint
     (``torch.utils.checkpoint``, reentrant or not) recomputing its block. (Not asked while

@@ -449,7 +449,7 @@ class Linear(nn.Linear):
                                         if frame is not None else (None, None)))
         if not torch.is_grad_enabled():
             self.__dict__["_fp8_ran_no_grad"] = ran  # (nn.Module.__setattr__: host time)
-        elif torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        elif _autocast.under_saved_tensor_hooks():
             self._fp8_ran.append(ran)
 
     def _repeated(self) -> "_Ran":
