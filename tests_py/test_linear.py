@@ -4,6 +4,7 @@ import copy
 import dataclasses
 import functools
 import io
+import pickle
 from contextlib import nullcontext
 
 import numpy as np
@@ -783,3 +784,23 @@ def test_one_module_alternates_recipes():
         y_delayed = lin(x)
     assert float(fwd_state(lin)["scale"][0]) == want
     assert torch.equal(y_delayed, y_current)  # the same scale as current scaling's now
+
+
+def test_pickle_and_deepcopy_after_a_recompute():
+    """What a recompute left on a layer (the forward it repeated) neither breaks pickling
+    nor follows a copy; a pickle of a layer without those records loads and trains."""
+    lin, _ = make(seed=26)
+    x = torch.randn(4, 32, requires_grad=True)
+    with tpfp8.fp8_autocast():
+        torch.utils.checkpoint.checkpoint(lin, x, use_reentrant=True).sum().backward()
+    twin = copy.deepcopy(lin)
+    assert twin._fp8_ran == [] and twin._fp8_replayed is None
+    state = lin.__getstate__()
+    for name in ("_fp8_updates", "_fp8_ran", "_fp8_ran_no_grad", "_fp8_replayed",
+                 "_fp8_repeating"):
+        state.pop(name, None)
+    old = tpfp8.Linear.__new__(tpfp8.Linear)
+    old.__setstate__(state)
+    loaded = pickle.loads(pickle.dumps(old))
+    with tpfp8.fp8_autocast():
+        torch.utils.checkpoint.checkpoint(loaded, x, use_reentrant=False).sum().backward()

@@ -255,10 +255,17 @@ class Linear(nn.Linear):
         sets it again."""
         state = super().__getstate__()  # a copy already
         state["_fp8_amax_group"] = None
-        state.update(_fp8_ran=[], _fp8_ran_no_grad=None, _fp8_replayed=None)  # (groups too)
+        state.update(_fp8_ran=[], _fp8_ran_no_grad=None, _fp8_replayed=None,  # (groups too)
+                     _fp8_repeating=None)
         return state
 
     def __setstate__(self, state) -> None:
+        # (Pickles of versions without activation-checkpoint records start with none.)
+        for name, default in (("_fp8_updates", 0), ("_fp8_ran_no_grad", None),
+                              ("_fp8_replayed", None)):
+            state.setdefault(name, default)
+        state.setdefault("_fp8_ran", [])
+        state.setdefault("_buffers", {}).setdefault("fp8_scale_prev", None)
         super().__setstate__(state)
         self._debug_handle = _debug.register(self)  # a copy reports as itself
         self._config = self._make_config()
@@ -270,6 +277,10 @@ class Linear(nn.Linear):
             if group is not None:
                 memo[id(group)] = group
         memo[id(self._fp8_ran)] = []  # (a copy has run no forward: what it would repeat)
+        for record in (self._fp8_ran_no_grad, self._fp8_replayed,
+                       self.__dict__.get("_fp8_repeating")):
+            if record is not None:
+                memo[id(record)] = None
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         new.__setstate__(copy.deepcopy(super().__getstate__(), memo))
@@ -451,6 +462,8 @@ class Linear(nn.Linear):
             self.__dict__["_fp8_ran_no_grad"] = ran  # (nn.Module.__setattr__: host time)
         elif _autocast.under_saved_tensor_hooks():
             self._fp8_ran.append(ran)
+            if len(self._fp8_ran) > _MAX_RECORDED:  # (hooks that never recompute: bounded)
+                self._fp8_ran.pop(0)
 
     def _repeated(self) -> "_Ran":
         """The forward a recompute repeats: the oldest with grad enabled not yet repeated, else
@@ -461,7 +474,8 @@ class Linear(nn.Linear):
         for ran in (self._fp8_replayed, self._fp8_ran_no_grad):
             if ran is not None and self._fp8_updates - ran.updates <= 1:
                 return ran
-        return self._fp8_ran_no_grad or _Ran(self._fp8_updates, None, None)
+        # A stale record, not a made-up one: delayed scaling then refuses the recompute.
+        return self._fp8_ran_no_grad or self._fp8_replayed or _Ran(self._fp8_updates, None, None)
 
     def _recompute_frame(self) -> Optional[dict]:
         """The fp8_autocast frame a recompute runs in: that of the forward it repeats (where
@@ -530,6 +544,7 @@ _CARRIED = ("tensor_model_parallel", "partition_dim", "main_grad")
 # Buffers that stay float32 whatever the parameters become.
 _STATE = ("fp8_scale", "fp8_scale_inv", "fp8_amax_history", "fp8_grad_amax_history")
 _FP32_STATE = _STATE + ("fp8_scale_prev", "_fp8_weight_scale_inv")
+_MAX_RECORDED = 64  # forwards kept for recomputes, per layer
 
 # Set in __init__ and fixed after: they decide the parameters' shapes and split.
 _FIXED_AFTER_INIT = frozenset(
