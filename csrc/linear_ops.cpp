@@ -2,6 +2,7 @@
 // linear_backward: tensors (the layer's FP8 state and caches among them, mutated in place as
 // the schemas declare) and plain values only, so torch.compile traces a call as one node.
 // The tensor-parallel group travels by name, as torch's functional collectives pass it.
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
 
 #include "linear.h"
@@ -16,6 +17,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_o
     int64_t scaling, int64_t fwd_format, int64_t grad_format, double epsilon, int64_t weight_cache,
     bool save_original_input, int64_t parallel_mode, bool sequence_parallel,
     c10::string_view group_name, at::IntArrayRef debug, bool need_dgrad, bool need_wgrad) {
+  // A forward that records its amax never runs inside backward. There it is an activation
+  // checkpoint's recompute that the module's Python did not see (a torch.compile'd layer under
+  // an eager checkpoint): it would fold its amax again and cast with scales the step's update
+  // may have moved. (Recomputes the module sees pass the forward's scales and no history.)
+  TORCH_CHECK(!amax_history || torch::autograd::get_current_graph_task_id() == -1,
+              "a delayed-scaling tpfp8.Linear forward ran inside a backward pass: an activation "
+              "checkpoint recomputes a layer compiled on its own, whose compiled code cannot "
+              "repeat the forward's scales. Compile the checkpointed block as a whole "
+              "(torch.compile outside torch.utils.checkpoint), or leave the layer uncompiled");
   // Every check runs before any state (amax history, caches) is touched.
   const ForwardCall call = checked_forward_call(
       x, weight, bias, scale, amax_history, cache_rowwise, cache_columnwise, cache_scale_inv,

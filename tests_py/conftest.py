@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+from torch import nn
 
 import tpfp8
 
@@ -37,3 +38,19 @@ def fp8_tight(device: str) -> float:
     the summation order differs; cuBLASLt's FP8 GEMMs accumulate with ~14 mantissa bits
     between fp32 promotions (tests_py/test_gemm.py), so ~1e-4 on the GPU."""
     return 1e-5 if device == "cpu" else 1e-3
+
+
+def make(k=32, n=48, bias=True, seed=0, **kw):
+    """A tpfp8.Linear and an nn.Linear with the same weights."""
+    torch.manual_seed(seed)
+    lin = tpfp8.Linear(k, n, bias=bias, **kw)
+    ref = nn.Linear(k, n, bias=bias)
+    ref.load_state_dict(lin.state_dict(), strict=False)
+    return lin, ref
+
+
+def state_of(lin):
+    """Copies of the layer's delayed-scaling scales and histories ([] before any)."""
+    state = lin.fp8_state
+    return [] if state is None else [state[d][k].clone() for d in ("forward", "backward")
+                                     for k in ("scale", "amax_history")]

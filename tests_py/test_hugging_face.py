@@ -119,3 +119,26 @@ def test_gradient_checkpointing_enable_matches_plain_training(recipe, use_reentr
     assert train(plain, 3, recipe) == got
     assert train(plain, 3, recipe) == train(ckpt, 3, recipe)
     assert_same_state(plain, ckpt)
+
+
+def test_load_fp8_state_reads_the_index_of_a_sharded_save_and_warns_on_other_names(tmp_path):
+    """A sharded save_pretrained: the state comes from the shards its index names (a stale
+    shard left in the folder is not read). Loading into a model whose layers are named
+    otherwise (wrapped by PEFT, say) loads nothing and says why."""
+    recipe = tpfp8.DelayedScaling(amax_history_len=8)
+    model = tpfp8.swap_linear(tiny_llama())
+    train(model, 2, recipe)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    stale = tpfp8.swap_linear(tiny_llama(seed=5))
+    train(stale, 1, tpfp8.DelayedScaling(amax_history_len=4))
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in stale.state_dict().items()
+               if k.endswith("_extra_state")}, tmp_path / "old.safetensors")
+    loaded = tpfp8.swap_linear(transformers.LlamaForCausalLM.from_pretrained(tmp_path))
+    assert tpfp8.load_fp8_state(loaded, tmp_path) == len(fp8_layers(model))
+    assert_same_state(model, loaded)
+
+    wrapped = torch.nn.ModuleDict({"base": tpfp8.swap_linear(tiny_llama(seed=6))})
+    with pytest.warns(UserWarning, match="match no tpfp8.Linear"):
+        assert tpfp8.load_fp8_state(wrapped, tmp_path) == 0

@@ -2,10 +2,7 @@
 emulation of the FP8 casts inside it, delayed-scaling bookkeeping, caches, errors, training."""
 import copy
 import dataclasses
-import functools
 import io
-import pickle
-from contextlib import nullcontext
 
 import numpy as np
 import pytest
@@ -13,7 +10,7 @@ import torch
 from torch import nn
 
 import tpfp8
-from conftest import fp8_tight, requires_gpu
+from conftest import fp8_tight, make, requires_gpu, state_of
 from fp8_oracle import current_scale, fake_quant, pending_scale
 
 RECIPES = {"delayed": tpfp8.DelayedScaling, "current": tpfp8.CurrentScaling}
@@ -32,14 +29,6 @@ def bwd_state(lin):
 def rel(a, b):
     a, b = torch.as_tensor(a).detach().double(), torch.as_tensor(b).detach().double()
     return float((a - b).norm() / b.norm())
-
-
-def make(k=32, n=48, bias=True, seed=0, **kw):
-    torch.manual_seed(seed)
-    lin = tpfp8.Linear(k, n, bias=bias, **kw)
-    ref = nn.Linear(k, n, bias=bias)
-    ref.load_state_dict(lin.state_dict(), strict=False)
-    return lin, ref
 
 
 def run(module, x, dy, ctx=None, **kw):
@@ -386,123 +375,6 @@ def test_no_tokens(device, recipe):
     check_no_tokens(device, recipe)
 
 
-CHECKPOINT_VARIANTS = ["plain", "nested", "fp8_autocast inside", "backward twice",
-                       "backward in fp8_autocast"]
-
-
-CHECKPOINTS = {
-    "tpfp8.checkpoint": tpfp8.checkpoint,
-    "torch non-reentrant": functools.partial(torch.utils.checkpoint.checkpoint,
-                                             use_reentrant=False),
-    "torch reentrant": functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True),
-}
-
-
-def check_checkpoint_matches_plain_steps(recipe, variant, device="cpu",
-                                         checkpoint=tpfp8.checkpoint):
-    """An activation checkpoint of a block: outputs, gradients and the FP8 state after each
-    of 3 steps equal those of the same steps without checkpointing, bit for bit (delayed
-    scaling: the recompute casts with the first forward's scales, folds no amax, updates
-    nothing), wherever backward runs."""
-    def block(seed):
-        torch.manual_seed(seed)
-        return nn.Sequential(tpfp8.Linear(32, 64), nn.GELU(), tpfp8.Linear(64, 16)).to(device)
-
-    def fp8():
-        return tpfp8.fp8_autocast(enabled=recipe is not None, recipe=recipe)
-
-    def forward(model, x, ckpt):
-        if variant == "fp8_autocast inside":  # the block opens it; checkpointed from outside
-            def inner(v):
-                with fp8():
-                    return model(v)
-            return checkpoint(inner, x) if ckpt else inner(x)
-        with fp8():
-            if not ckpt:
-                return model(x)
-            if variant == "nested":
-                return checkpoint(lambda v: model[2](model[1](checkpoint(model[0], v))), x)
-            return checkpoint(model, x)
-
-    plain, ckpt = block(21), block(21)
-    for step in range(3):
-        torch.manual_seed(100 + step)
-        x, dy = torch.randn(8, 32, device=device), torch.randn(8, 16, device=device)
-        results = []
-        for model, use_ckpt in ((plain, False), (ckpt, True)):
-            xg = x.clone().requires_grad_(True)
-            model.zero_grad(set_to_none=True)
-            y = forward(model, xg, use_ckpt)
-            twice = variant == "backward twice"
-            with tpfp8.fp8_autocast() if variant == "backward in fp8_autocast" else nullcontext():
-                y.backward(dy, retain_graph=twice)
-                if twice:
-                    y.backward(dy)
-            results.append([y.detach(), xg.grad] + [p.grad for p in model.parameters()]
-                           + [t for layer in (model[0], model[2]) for t in state_of(layer)])
-        for a, b in zip(*results):
-            assert torch.equal(a, b), f"step {step}"
-
-
-@pytest.mark.parametrize("checkpoint", list(CHECKPOINTS))
-@pytest.mark.parametrize("variant", CHECKPOINT_VARIANTS)
-@pytest.mark.parametrize("recipe", [None, tpfp8.DelayedScaling(amax_history_len=4),
-                                    tpfp8.CurrentScaling()],
-                         ids=["high precision", "delayed", "current"])
-def test_checkpoint_matches_plain_steps(device, recipe, variant, checkpoint):
-    check_checkpoint_matches_plain_steps(recipe, variant, device, CHECKPOINTS[checkpoint])
-
-
-@pytest.mark.parametrize("checkpoint", ["torch non-reentrant", "torch reentrant"])
-def test_checkpoint_started_late_with_evaluations_between(checkpoint):
-    """Steps without checkpointing first, then with it, and evaluation forwards (no grad,
-    inside fp8_autocast: they update the state too) between steps: each step's gradients and
-    FP8 state equal those of the same steps never checkpointed, bit for bit."""
-    recipe = tpfp8.DelayedScaling(amax_history_len=4)
-    models = [make(seed=24)[0], make(seed=24)[0]]
-    for step in range(5):
-        torch.manual_seed(300 + step)
-        x, dy, probe = torch.randn(8, 32), torch.randn(8, 48), torch.randn(4, 32)
-        results = []
-        for lin, ckpt in zip(models, (False, step >= 2)):
-            lin.zero_grad(set_to_none=True)
-            with torch.no_grad(), tpfp8.fp8_autocast(recipe=recipe):
-                lin(probe)
-            xg = x.clone().requires_grad_(True)
-            with tpfp8.fp8_autocast(recipe=recipe):
-                y = CHECKPOINTS[checkpoint](lin, xg) if ckpt else lin(xg)
-            y.backward(dy)
-            results.append([y.detach(), xg.grad, lin.weight.grad] + state_of(lin))
-        for a, b in zip(*results):
-            assert torch.equal(a, b), f"step {step}"
-
-
-def test_recompute_of_a_forward_two_updates_back_is_refused():
-    """Two micro-batches in flight, each in its own fp8_autocast (a pipeline schedule): the
-    first one's recompute comes after two updates, its scales are gone -- a clear error."""
-    lin, _ = make(seed=25)
-    outputs = []
-    for _ in range(2):
-        with tpfp8.fp8_autocast():
-            outputs.append(torch.utils.checkpoint.checkpoint(
-                lin, torch.randn(4, 32, requires_grad=True), use_reentrant=False))
-    with pytest.raises(RuntimeError, match="after 2 delayed-scaling updates"):
-        outputs[0].sum().backward()
-
-
-def test_recompute_after_two_updates_is_refused():
-    """A checkpointed block whose backward runs after two fp8_autocast exits (its scales are
-    gone): a clear error, not a silently different gradient."""
-    lin, _ = make(seed=23)
-    x = torch.randn(4, 32, requires_grad=True)
-    with tpfp8.fp8_autocast():
-        y = torch.utils.checkpoint.checkpoint(lin, x, use_reentrant=False)
-    with tpfp8.fp8_autocast():
-        lin(torch.randn(4, 32))
-    with pytest.raises(RuntimeError, match="after 2 delayed-scaling updates"):
-        y.sum().backward()
-
-
 def test_swap_linear_and_state_dict():
     torch.manual_seed(11)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
@@ -550,12 +422,6 @@ def test_peft_lora_wraps_and_trains_a_swapped_model():
 
 
 # ---- errors leave the state untouched --------------------------------------------------
-
-def state_of(lin):
-    state = lin.fp8_state
-    return [] if state is None else [state[d][k].clone() for d in ("forward", "backward")
-                                     for k in ("scale", "amax_history")]
-
 
 @pytest.mark.parametrize("call,message", [
     (lambda lin: lin(torch.randn(4, 31)), r"in_features=32"),
@@ -786,21 +652,3 @@ def test_one_module_alternates_recipes():
     assert torch.equal(y_delayed, y_current)  # the same scale as current scaling's now
 
 
-def test_pickle_and_deepcopy_after_a_recompute():
-    """What a recompute left on a layer (the forward it repeated) neither breaks pickling
-    nor follows a copy; a pickle of a layer without those records loads and trains."""
-    lin, _ = make(seed=26)
-    x = torch.randn(4, 32, requires_grad=True)
-    with tpfp8.fp8_autocast():
-        torch.utils.checkpoint.checkpoint(lin, x, use_reentrant=True).sum().backward()
-    twin = copy.deepcopy(lin)
-    assert twin._fp8_ran == [] and twin._fp8_replayed is None
-    state = lin.__getstate__()
-    for name in ("_fp8_updates", "_fp8_ran", "_fp8_ran_no_grad", "_fp8_replayed",
-                 "_fp8_repeating"):
-        state.pop(name, None)
-    old = tpfp8.Linear.__new__(tpfp8.Linear)
-    old.__setstate__(state)
-    loaded = pickle.loads(pickle.dumps(old))
-    with tpfp8.fp8_autocast():
-        torch.utils.checkpoint.checkpoint(loaded, x, use_reentrant=False).sum().backward()

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import tpfp8
+from conftest import make
 
 
 def saved_state(lin):
@@ -527,6 +528,29 @@ def test_uninitialised_construction_gets_fresh_fp8_state():
     with tpfp8.fp8_autocast():
         y, want = deferred(x), lin(x)
     assert torch.equal(y, want) and deferred.fp8_scale.device.type == "cpu"
+
+
+def test_fp8_state_loads_into_a_layer_on_meta_and_bad_headers_are_refused():
+    """A trained layer's FP8 state loads into one built on "meta" (the header is read where
+    the checkpoint lies); a damaged header is a clear error that leaves the layer as it was."""
+    lin, _ = make(seed=40)
+    with tpfp8.fp8_autocast(recipe=tpfp8.DelayedScaling(amax_history_len=8)):
+        lin(torch.randn(4, 32)).sum().backward()
+    saved = lin.state_dict()
+    with torch.device("meta"):
+        deferred = tpfp8.Linear(32, 48)
+    deferred.load_state_dict(saved, assign=True)
+    assert deferred.fp8_state["recipe"] == lin.fp8_state["recipe"]
+    other, _ = make(seed=41)
+    before = other.state_dict()
+    for position, value in ((2, 7.0), (4, -1.0), (3, 0.0)):  # format, algorithm, length codes
+        bad = dict(saved)
+        bad["_extra_state"] = saved["_extra_state"].clone()
+        bad["_extra_state"][position] = value
+        with pytest.raises(ValueError, match="bad header"):
+            other.load_state_dict(bad)
+        for name, t in other.state_dict().items():
+            assert name == "_extra_state" or torch.equal(t, before[name]), name
 
 
 def test_moves_that_swap_parameters_keep_main_grad():

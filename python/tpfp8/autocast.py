@@ -36,23 +36,6 @@ def _frame(recipe, amax_group) -> dict:
     return {"recipe": recipe, "amax_group": amax_group, "ran": {}}
 
 
-_TOP_SAVED_TENSOR_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-
-
-def under_saved_tensor_hooks() -> bool:
-    """Whether saved-tensor hooks are active: inside a non-reentrant checkpoint's forward
-    (where a torch cannot tell, assume so: the layers' queues of such forwards are pruned at
-    each update anyway)."""
-    return _TOP_SAVED_TENSOR_HOOKS is None or _TOP_SAVED_TENSOR_HOOKS(False) is not None
-
-
-def recomputing() -> bool:
-    """Whether a forward runs inside a backward pass: an activation checkpoint
-    (``torch.utils.checkpoint``, reentrant or not) recomputing its block. (Not asked while
-    torch.compile traces: a compiled graph's recompute does not run Python.)"""
-    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
-
-
 @contextlib.contextmanager
 def fp8_autocast(enabled: bool = True, recipe=None, amax_group=None):
     """Runs tpfp8 modules in FP8 inside the ``with`` block.
@@ -87,11 +70,12 @@ def fp8_autocast(enabled: bool = True, recipe=None, amax_group=None):
 
 def checkpoint(function, *args, **kwargs):
     """``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)``.
-    Plain ``torch.utils.checkpoint`` (reentrant or not) works with tpfp8 layers as it is: a
-    layer's forward run by backward recomputes it as it first ran -- in FP8 under the same
-    recipe wherever backward runs, with delayed scaling's scales of that forward (the step's
-    update may have moved them since), folding no amax and updating nothing -- so the gradients
-    equal those of the step without checkpointing. Kept for code written against it."""
+    Plain ``torch.utils.checkpoint`` (reentrant or not, nested too) works with tpfp8 layers as
+    it is: a layer's forward run by backward repeats the forward it recomputes -- in FP8 under
+    the same recipe wherever backward runs, with delayed scaling's scales of that forward (the
+    step's update may have moved them since), folding no amax and updating nothing -- so the
+    gradients equal those of the step without checkpointing (see tpfp8.checkpointing). Kept
+    for code written against it."""
     kwargs.setdefault("use_reentrant", False)
     return torch.utils.checkpoint.checkpoint(function, *args, **kwargs)
 

@@ -5,8 +5,10 @@ parameters, FP8 state (as buffers) and frozen config, and makes the op's argumen
 import copy
 import dataclasses
 import glob
+import json
 import math
 import os
+import warnings
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -14,6 +16,7 @@ from torch import nn
 
 from . import _C
 from . import autocast as _autocast
+from . import checkpointing as _checkpointing
 from . import debug as _debug
 from . import parallel as _parallel
 from . import scaling as _scaling
@@ -96,14 +99,10 @@ class Linear(nn.Linear):
         for name in _STATE:
             self.register_buffer(name, None, persistent=False)  # checkpointed as extra state
         self._fp8_recipe, self._fp8_amax_group = None, None
-        # For activation checkpointing: the scales before the last delayed-scaling update
-        # (made by the first update) and the number of updates so far; how forwards ran
-        # (`_Ran`, `_record_forward`): those of non-reentrant checkpoints, oldest first, the
-        # last without grad (a reentrant checkpoint's), and the last one a recompute repeated
-        # (a second backward repeats it).
+        # For activation checkpointing (tpfp8.checkpointing): the scales before the last
+        # delayed-scaling update (made by the first update) and the number of updates so far.
         self.register_buffer("fp8_scale_prev", None, persistent=False)
         self._fp8_updates = 0
-        self._fp8_ran, self._fp8_ran_no_grad, self._fp8_replayed = [], None, None
         # The cached FP8 weight (is_first_microbatch), made by the first call that fills it.
         for name in ("_fp8_weight_rowwise", "_fp8_weight_columnwise", "_fp8_weight_scale_inv"):
             self.register_buffer(name, None, persistent=False)
@@ -255,16 +254,14 @@ class Linear(nn.Linear):
         sets it again."""
         state = super().__getstate__()  # a copy already
         state["_fp8_amax_group"] = None
-        state.update(_fp8_ran=[], _fp8_ran_no_grad=None, _fp8_replayed=None,  # (groups too)
-                     _fp8_repeating=None)
         return state
 
     def __setstate__(self, state) -> None:
-        # (Pickles of versions without activation-checkpoint records start with none.)
-        for name, default in (("_fp8_updates", 0), ("_fp8_ran_no_grad", None),
-                              ("_fp8_replayed", None)):
-            state.setdefault(name, default)
-        state.setdefault("_fp8_ran", [])
+        # Pickles of earlier versions: no update count, and per-layer records of forwards for
+        # recomputes (now kept by the checkpoints themselves).
+        state.setdefault("_fp8_updates", 0)
+        for name in ("_fp8_ran", "_fp8_ran_no_grad", "_fp8_replayed", "_fp8_repeating"):
+            state.pop(name, None)
         state.setdefault("_buffers", {}).setdefault("fp8_scale_prev", None)
         super().__setstate__(state)
         self._debug_handle = _debug.register(self)  # a copy reports as itself
@@ -276,11 +273,6 @@ class Linear(nn.Linear):
         for group in (self.tp_group, self._fp8_amax_group):
             if group is not None:
                 memo[id(group)] = group
-        memo[id(self._fp8_ran)] = []  # (a copy has run no forward: what it would repeat)
-        for record in (self._fp8_ran_no_grad, self._fp8_replayed,
-                       self.__dict__.get("_fp8_repeating")):
-            if record is not None:
-                memo[id(record)] = None
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         new.__setstate__(copy.deepcopy(super().__getstate__(), memo))
@@ -367,14 +359,16 @@ class Linear(nn.Linear):
         """
         param, config = self.weight, self._config
         self._check_type(x)
-        recompute = _autocast.recomputing()
-        frame = self._recompute_frame() if recompute else _autocast.current()
+        checkpoints = None if torch.compiler.is_compiling() else _checkpointing.around()
+        repeated = self._repeated(checkpoints)  # (a recompute: the forward it repeats)
+        recompute = repeated is not None
+        frame = self._recompute_frame(repeated) if recompute else _autocast.current()
         recipe = frame["recipe"] if frame is not None else None
         x, weight, bias = self._compute_dtype(x, param, in_fp8=recipe is not None)
         bias_out = None
         if config.return_bias:
             bias_out, bias = bias, None
-        call = self._prepare(config, recipe, frame, x, param, is_first_microbatch, recompute)
+        call = self._prepare(config, recipe, frame, x, param, is_first_microbatch, repeated)
         a = call.args
         scale, _, amax_history, grad_amax_history = call.state or (None,) * len(_STATE)
         y = torch.ops.tpfp8.linear(
@@ -386,18 +380,20 @@ class Linear(nn.Linear):
             a.saves_input, a.need_dgrad, a.need_wgrad)
         if not x.is_meta:
             self._commit(call, param, frame, recompute)
+            if checkpoints is not None and not recompute:
+                _checkpointing.record(self, self._forward_record(frame), checkpoints)
         return (y, bias_out) if config.return_bias else y
 
     def _prepare(self, config, recipe, frame, x, param, is_first_microbatch,
-                 recompute) -> "_Call":
+                 repeated) -> "_Call":
         """The op's arguments for this call, and the state made for it (kept by `_commit`
         once the call succeeded)."""
         delayed = isinstance(recipe, DelayedScaling)
         call = _Call(args=None)
         if delayed:
             call.state, call.new_state = self._delayed_state(recipe, x.device)
-            if recompute:
-                call.replay = self._forward_scales()
+            if repeated is not None:
+                call.replay = self._forward_scales(repeated)
             call.amax_group = _parallel.amax_group_for(self.tp_group, config.sequence_parallel,
                                                        frame["amax_group"])
         cache_mode, call.weight_cache, call.new_cache = self._weight_cache_for(
@@ -451,44 +447,41 @@ class Linear(nn.Linear):
                          torch.empty(1, device=self.weight.device))
         return (_WEIGHT_CACHE_FILL if is_first_microbatch else _WEIGHT_CACHE_REUSE), cache, new
 
-    def _record_forward(self, frame) -> None:
-        """Keeps how this forward ran if a checkpoint may recompute it: under saved-tensor
-        hooks with grad enabled (a non-reentrant checkpoint's), or without grad (a reentrant
-        checkpoint's, or an evaluation: only the last is kept). A compiled graph's recompute
-        runs no Python: nothing is kept while compiling."""
-        ran = _Ran(self._fp8_updates, *((frame["recipe"], frame["amax_group"])
-                                        if frame is not None else (None, None)))
-        if not torch.is_grad_enabled():
-            self.__dict__["_fp8_ran_no_grad"] = ran  # (nn.Module.__setattr__: host time)
-        elif _autocast.under_saved_tensor_hooks():
-            self._fp8_ran.append(ran)
-            if len(self._fp8_ran) > _MAX_RECORDED:  # (hooks that never recompute: bounded)
-                self._fp8_ran.pop(0)
+    def _forward_record(self, frame) -> "_checkpointing.Forward":
+        """How this forward ran, for a checkpoint's recompute to repeat it."""
+        if frame is None:
+            return _checkpointing.Forward(self._fp8_updates, None, None)
+        return _checkpointing.Forward(self._fp8_updates, frame["recipe"], frame["amax_group"])
 
-    def _repeated(self) -> "_Ran":
-        """The forward a recompute repeats: the oldest with grad enabled not yet repeated, else
-        the one repeated last (a second backward), else the last without grad."""
-        if self._fp8_ran:
-            self._fp8_replayed = self._fp8_ran.pop(0)
-            return self._fp8_replayed
-        for ran in (self._fp8_replayed, self._fp8_ran_no_grad):
-            if ran is not None and self._fp8_updates - ran.updates <= 1:
-                return ran
-        # A stale record, not a made-up one: delayed scaling then refuses the recompute.
-        return self._fp8_ran_no_grad or self._fp8_replayed or _Ran(self._fp8_updates, None, None)
+    def _repeated(self, checkpoints) -> Optional["_checkpointing.Forward"]:
+        """The forward a checkpoint's recompute repeats; None for a forward that is not one."""
+        if checkpoints is None or checkpoints.recomputed is None:
+            return None
+        try:
+            return _checkpointing.repeated(self, checkpoints)
+        except _checkpointing.Unknown:
+            pass
+        if _autocast.current() is None and self._fp8_recipe is None:
+            return self._forward_record(None)  # no FP8 anywhere: high precision again
+        raise RuntimeError(
+            f"tpfp8.Linear {self.name or ''} ran inside a backward pass, but not as the "
+            f"recompute of an activation checkpoint it knows, so it cannot tell which FP8 "
+            f"forward to repeat (recipe, scales). Checkpoint with torch.utils.checkpoint "
+            f"(reentrant or not) or tpfp8.checkpoint, or an autograd.Function that runs the "
+            f"block without grad in forward; or run this forward outside backward")
 
-    def _recompute_frame(self) -> Optional[dict]:
+    @staticmethod
+    def _recompute_frame(repeated) -> Optional[dict]:
         """The fp8_autocast frame a recompute runs in: that of the forward it repeats (where
         backward runs does not matter), registering nothing for an update."""
-        ran = self.__dict__["_fp8_repeating"] = self._repeated()
-        if ran.recipe is None:
+        if repeated.recipe is None:
             return None
-        return {"recipe": ran.recipe, "amax_group": ran.amax_group, "ran": {}}
+        return {"recipe": repeated.recipe, "amax_group": repeated.amax_group, "ran": {}}
 
-    def _forward_scales(self) -> torch.Tensor:
+    def _forward_scales(self, repeated) -> torch.Tensor:
         """The scales the forward being recomputed cast with: today's, or those before the
         one delayed-scaling update that ran since (a backward after fp8_autocast's exit)."""
-        since = self._fp8_updates - self._fp8_repeating.updates
+        since = self._fp8_updates - repeated.updates
         if since == 0:
             return self.fp8_scale
         if since == 1:
@@ -499,11 +492,8 @@ class Linear(nn.Linear):
             f"backward before the fp8_autocast block of the next step exits")
 
     def _commit(self, call: "_Call", weight, frame, recompute: bool) -> None:
-        """Keeps what a successful call made (FP8 state, weight cache, main_grad), records
-        how it ran for a recompute, and schedules the delayed-scaling update for the exit of
-        the fp8_autocast block."""
-        if not recompute and not torch.compiler.is_compiling():
-            self._record_forward(frame)
+        """Keeps what a successful call made (FP8 state, weight cache, main_grad) and
+        schedules the delayed-scaling update for the exit of the fp8_autocast block."""
         if call.new_main_grad is not None:
             weight.main_grad = call.new_main_grad
         if call.new_cache:
@@ -544,7 +534,6 @@ _CARRIED = ("tensor_model_parallel", "partition_dim", "main_grad")
 # Buffers that stay float32 whatever the parameters become.
 _STATE = ("fp8_scale", "fp8_scale_inv", "fp8_amax_history", "fp8_grad_amax_history")
 _FP32_STATE = _STATE + ("fp8_scale_prev", "_fp8_weight_scale_inv")
-_MAX_RECORDED = 64  # forwards kept for recomputes, per layer
 
 # Set in __init__ and fixed after: they decide the parameters' shapes and split.
 _FIXED_AFTER_INIT = frozenset(
@@ -565,14 +554,6 @@ class LinearConfig(NamedTuple):
 
 # The settings that may change between steps, and make the config again when they do.
 _SETTINGS = frozenset(("save_original_input", "fuse_wgrad_accumulation", "return_bias"))
-
-
-class _Ran(NamedTuple):
-    """How a forward ran, for a recompute to repeat it: the layer's delayed-scaling updates
-    before it, its recipe (None: high precision) and amax group."""
-    updates: int
-    recipe: object
-    amax_group: object
 
 
 class _CallArgs(NamedTuple):
@@ -650,20 +631,37 @@ def load_fp8_state(model: nn.Module, checkpoint) -> int:
     have none to get)."""
     if isinstance(checkpoint, (str, os.PathLike)):
         checkpoint = _extra_states_in(checkpoint)
-    loaded = 0
-    for name, module in model.named_modules():
-        saved = checkpoint.get(f"{name}._extra_state" if name else "_extra_state")
-        if isinstance(module, Linear) and saved is not None:
-            module.set_extra_state(saved)
-            loaded += module._fp8_recipe is not None
+    loaded, unmatched = 0, {k for k in checkpoint if k.endswith("_extra_state")}
+    layers = [name for name, module in model.named_modules() if isinstance(module, Linear)]
+    for name in layers:
+        key = f"{name}._extra_state" if name else "_extra_state"
+        saved = checkpoint.get(key)
+        if saved is not None:
+            unmatched.discard(key)
+            layer = model.get_submodule(name)
+            layer.set_extra_state(saved)
+            loaded += layer._fp8_recipe is not None
+    if unmatched:
+        warnings.warn(
+            f"load_fp8_state: {len(unmatched)} FP8 states in the checkpoint match no "
+            f"tpfp8.Linear of the model (e.g. {sorted(unmatched)[0]}; the model's are named "
+            f"e.g. {layers[0] if layers else 'nothing: it has none'}). Load into the model as "
+            f"it was saved, before wrapping it (e.g. with PEFT)", stacklevel=2)
     return loaded
 
 
 def _extra_states_in(folder) -> dict:
-    """The ``*._extra_state`` tensors of the safetensors files in ``folder``."""
+    """The ``*._extra_state`` tensors of the safetensors files in ``folder``: those its
+    index names where there is one (a sharded save), else every one."""
     from safetensors import safe_open
 
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(folder, name) for name in names]
+    else:
+        files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in {folder}: pass the folder "
                          f"save_pretrained wrote, or a state dict")

@@ -117,20 +117,25 @@ def to_tensor(state: tuple, recipe: DelayedScaling) -> torch.Tensor:
 
 
 def from_tensor(saved: torch.Tensor, device) -> tuple:
-    """(state tensors on `device`, DelayedScaling) from a checkpoint tensor (`to_tensor`)."""
-    flat = saved.detach().to(device, torch.float32).reshape(-1)
-    header = [int(v) for v in flat[:_HEADER].tolist()]
+    """(state tensors on `device`, DelayedScaling) from a checkpoint tensor (`to_tensor`).
+    The header is read where the checkpoint lies (the module may be on "meta")."""
+    saved = saved.detach().reshape(-1)
+    header = [int(v) for v in saved[:_HEADER].tolist()]
     if len(header) < _HEADER or header[0] != _LAYOUT:
         raise ValueError(f"tpfp8.Linear FP8 state: unknown layout (header {header}); this "
                          f"tpfp8 reads layout {_LAYOUT}, written by tpfp8 >= 0.1")
     _, margin, fmt, length, algo = header
-    if flat.numel() != _HEADER + 6 + 3 * length:
-        raise ValueError(f"tpfp8.Linear FP8 state: {flat.numel()} values, expected "
+    if not (0 <= fmt < len(_FORMAT_CODES) and 0 <= algo < len(_ALGO_CODES) and length > 0):
+        raise ValueError(f"tpfp8.Linear FP8 state: bad header {header} (format code 0-1, "
+                         f"history length > 0, algorithm code 0-1); the checkpoint is damaged")
+    if saved.numel() != _HEADER + 6 + 3 * length:
+        raise ValueError(f"tpfp8.Linear FP8 state: {saved.numel()} values, expected "
                          f"{_HEADER + 6 + 3 * length} for a history of {length}")
     recipe = DelayedScaling(margin=margin, fp8_format=_FORMAT_CODES[fmt],
                             amax_history_len=length, amax_compute_algo=_ALGO_CODES[algo])
     with torch.inference_mode(False):
-        parts = flat[_HEADER:].split([3, 3, 2 * length, length])
+        flat = saved[_HEADER:].to(device, torch.float32)
+        parts = flat.split([3, 3, 2 * length, length])
         state = (parts[0].clone(), parts[1].clone(), parts[2].reshape(2, length).clone(),
                  parts[3].reshape(1, length).clone())
     return state, recipe
@@ -170,10 +175,4 @@ def _with_previous(layer, state: dict) -> torch.Tensor:
         with torch.inference_mode(False):
             state["fp8_scale_prev"] = torch.empty_like(scale)
     layer._fp8_updates += 1
-    # A forward two updates back can no longer be repeated; kept, it makes its recompute fail
-    # clearly rather than cast with other scales. Older ones go (saved-tensor hooks other than
-    # a checkpoint's record forwards that are never recomputed).
-    ran = layer._fp8_ran
-    while ran and ran[0].updates < layer._fp8_updates - 2:
-        ran.pop(0)
     return scale

@@ -1,0 +1,141 @@
+"""Activation checkpointing: which forward a recompute repeats.
+
+A checkpoint (``torch.utils.checkpoint``, reentrant or not, or any ``autograd.Function`` that
+runs its block without grad and again in backward, as Megatron's and DeepSpeed's do) runs a
+layer's forward a second time inside backward. Under FP8 that second run must repeat the first
+exactly: its recipe, amax group and delayed-scaling scales. So each forward leaves a record
+(`Forward`) on every checkpoint whose forward is running around it, and a recompute takes the
+next record of the checkpoint it recomputes. The records live on the checkpoint itself (torch's
+checkpoint frame, or the Function's context), so they are freed with its graph, and one
+checkpoint's records can never be taken by another's recompute, whatever order micro-batches,
+evaluations or backward passes run in.
+
+A checkpoint is found from what it leaves in place while it runs:
+- non-reentrant: its saved-tensor hooks. A forward's hooks hold the checkpoint frame, a
+  recompute's hold a weak reference to it (torch.utils.checkpoint's ``_CheckpointFrame``).
+- reentrant: the Function's ``forward(ctx, ...)`` on the Python stack while it runs without
+  grad, and the Function's backward node (``ctx`` itself) as backward's current node.
+"""
+import sys
+import weakref
+from typing import List, NamedTuple, Optional
+
+import torch
+import torch.utils.checkpoint
+
+_FRAME = getattr(torch.utils.checkpoint, "_CheckpointFrame", None)
+_TOP = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_FORWARDS, _CURSORS = "_tpfp8_forwards", "_tpfp8_cursors"  # attributes set on a checkpoint
+_STACK_LIMIT = 64  # Python frames searched for a running Function's forward
+
+
+class Forward(NamedTuple):
+    """How a layer's forward ran: the layer's delayed-scaling updates before it, its recipe
+    (None: high precision) and amax group."""
+    updates: int
+    recipe: object
+    amax_group: object
+
+
+class Unknown(RuntimeError):
+    """A forward inside backward that no known checkpoint recorded."""
+
+
+class Checkpoints(NamedTuple):
+    """The checkpoints around a forward: those whose forward is running (innermost first), and
+    the one being recomputed with what identifies this recompute run (None: not a recompute)."""
+    running: List[object]
+    recomputed: Optional[object]
+    run: object
+
+
+def around() -> Checkpoints:
+    """The checkpoints around the forward being called (never while torch.compile traces)."""
+    running, recomputed, run = [], None, None
+    for pack in _pack_hooks():
+        frame, is_recompute = _frame_of(pack)
+        if frame is None:
+            continue
+        if is_recompute:  # (the innermost recompute: checkpoints above it are re-made by it)
+            recomputed, run = frame, pack
+            break
+        running.append(frame)
+    if not torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+        running.extend(_functions_running())
+    if recomputed is None and torch._C._current_graph_task_id() != -1:
+        node = torch._C._current_autograd_node()  # a reentrant checkpoint's backward: its ctx
+        recomputed, run = node, torch._C._current_graph_task_id()
+    return Checkpoints(running, recomputed, run)
+
+
+def record(layer, forward: Forward, checkpoints: Checkpoints) -> None:
+    """Leaves `forward` on each running checkpoint, for its recompute to repeat."""
+    for checkpoint in checkpoints.running:
+        forwards = checkpoint.__dict__.setdefault(_FORWARDS, {})
+        forwards.setdefault(layer, []).append(forward)
+
+
+def repeated(layer, checkpoints: Checkpoints) -> Forward:
+    """The forward a recompute repeats: the next of the layer's records on the checkpoint being
+    recomputed (a layer may run more than once in a block). Checkpoints re-made by the
+    recompute (nested ones) get it too, for their own recompute later."""
+    checkpoint = checkpoints.recomputed
+    forwards = getattr(checkpoint, "__dict__", {}).get(_FORWARDS, {}).get(layer)
+    cursors = getattr(checkpoint, "__dict__", {}).setdefault(_CURSORS, {})
+    i = cursors.get((layer, checkpoints.run), 0)
+    if forwards is None or i >= len(forwards):
+        raise Unknown()
+    cursors[(layer, checkpoints.run)] = i + 1
+    record(layer, forwards[i], checkpoints)
+    return forwards[i]
+
+
+def _pack_hooks() -> list:
+    """The pack functions of the active saved-tensor hooks, innermost first. (torch shows only
+    the top pair: take them off and put them back.)"""
+    if _TOP is None or _TOP(False) is None:
+        return []
+    taken = []
+    try:
+        while (top := _TOP(False)) is not None:
+            taken.append(top)
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+    finally:
+        for pack, unpack in reversed(taken):
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    return [pack for pack, _ in taken]
+
+
+def _frame_of(hook, depth: int = 0):
+    """(torch's checkpoint frame a hook belongs to, whether it is a recompute's): a forward's
+    hook holds the frame, a recompute's a weak reference to it (possibly under a wrapper)."""
+    if _FRAME is None or depth > 3:
+        return None, False
+    for cell in getattr(hook, "__closure__", None) or ():
+        value = cell.cell_contents
+        if isinstance(value, _FRAME):
+            return value, False
+        if isinstance(value, weakref.ref) and isinstance(value(), _FRAME):
+            return value(), True
+        if callable(value):
+            found = _frame_of(value, depth + 1)
+            if found[0] is not None:
+                return found
+    wrapped = getattr(hook, "__wrapped__", None)
+    return _frame_of(wrapped, depth + 1) if wrapped is not None else (None, False)
+
+
+def _functions_running() -> list:
+    """The contexts of the ``autograd.Function`` forwards running on this thread's stack,
+    innermost first (a reentrant checkpoint runs its block inside one, without grad)."""
+    found, frame = [], sys._getframe(2)
+    for _ in range(_STACK_LIMIT):
+        if frame is None:
+            break
+        code = frame.f_code
+        if code.co_name == "forward" and code.co_argcount and code.co_varnames[0] == "ctx":
+            ctx = frame.f_locals.get("ctx")
+            if isinstance(ctx, torch.autograd.function.BackwardCFunction):
+                found.append(ctx)
+        frame = frame.f_back
+    return found
