@@ -192,11 +192,13 @@ def fail(r, name, exc, where):
     sys.stderr.flush()
 
 
-def run_size(tokens, hidden, args, cases):
+def run_size(tokens, hidden, args, cases, factory=None):
+    """Every case of one size: `factory(hidden, device)` makes the bf16 block (default the
+    MLP), called on a [tokens, hidden] input. Returns the size's results."""
     device = args.device
     torch._dynamo.reset()  # each size compiles afresh (and stays under the recompile limit)
     torch.manual_seed(0)
-    reference = MLP(hidden, device)
+    reference = (factory or MLP)(hidden, device)
     x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
     from torch._dynamo.utils import counters
@@ -288,8 +290,8 @@ def run_size(tokens, hidden, args, cases):
     torch._dynamo.reset()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-    return {"tokens": tokens, "hidden": hidden, "ffn": 4 * hidden,
-            "baseline": baseline, "baseline_ms": base_ms, "cases": results}
+    return {"tokens": tokens, "hidden": hidden, "baseline": baseline, "baseline_ms": base_ms,
+            "cases": results}
 
 
 def profile_case(name, step, device, out, hidden, steps=5):
@@ -325,7 +327,8 @@ def cell(r):
         else f"{r['ms']:.3f} ms"
 
 
-def save_plot(path, results, names, dev):
+def save_plot(path, results, names, dev, xlabel="tokens x hidden (MLP hidden -> 4*hidden -> "
+              "hidden)", title="MLP block fwd+bwd under torch.compile"):
     """Grouped bars: one group per size, one bar per case, speed-up vs the faster bf16."""
     try:
         import matplotlib
@@ -343,9 +346,9 @@ def save_plot(path, results, names, dev):
         ax.bar([x + i * width for x in range(len(labels))], values, width, label=name)
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))], labels, fontsize=8)
-    ax.set_xlabel("tokens x hidden (MLP hidden -> 4*hidden -> hidden)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("speed-up vs faster bf16 (eager / compiled)")
-    ax.set_title(f"MLP block fwd+bwd under torch.compile on {dev}")
+    ax.set_title(f"{title} on {dev}")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -400,6 +403,20 @@ def main(argv=None):
     print_table(["case"] + [f"{r['tokens']}x{r['hidden']}" for r in results],
                 [[n] + [cell(r["cases"][n]) for r in results] for n in names])
 
+    print_details(results, names)
+    for r in results:
+        r["ffn"] = 4 * r["hidden"]
+    save_json(os.path.join(args.out, "compile.json"),
+              {"device": dev, "torch": torch.__version__, "torchao": ao,
+               "gelu": "exact (erf)", "dtype": "bf16 activations, parameters and gradients",
+               "reps": args.reps, "rounds": args.rounds, "warmup": args.warmup,
+               "results": results})
+    plotted = [n for n in names if any(r["cases"][n]["speedup_vs_faster_bf16"] for r in results)]
+    save_plot(os.path.join(args.out, "compile.png"), results, plotted, dev)
+
+
+def print_details(results, names):
+    """The per-case details table (compilation, graph breaks, accuracy, state update)."""
     print("\nDetails: first step (compilation) time, graph breaks and CUDA-graph skips while "
           "compiling, relative error of the output vs bf16 eager, delayed-scaling update seen")
     rows = []
@@ -419,14 +436,6 @@ def main(argv=None):
                          "ok" if ok else c["status"]])
     print_table(["size", "case", "ms", "vs faster bf16", "first step s", "graph breaks",
                  "cudagraph skips", "rel err", "scales updated", "status"], rows)
-
-    save_json(os.path.join(args.out, "compile.json"),
-              {"device": dev, "torch": torch.__version__, "torchao": ao,
-               "gelu": "exact (erf)", "dtype": "bf16 activations, parameters and gradients",
-               "reps": args.reps, "rounds": args.rounds, "warmup": args.warmup,
-               "results": results})
-    plotted = [n for n in names if any(r["cases"][n]["speedup_vs_faster_bf16"] for r in results)]
-    save_plot(os.path.join(args.out, "compile.png"), results, plotted, dev)
 
 
 if __name__ == "__main__":

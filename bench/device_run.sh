@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Builds tpfp8 on a GPU machine, runs the GPU tests and the benchmarks, writes logs to $OUT.
-#   OUT=/tmp/out bash bench/device_run.sh [gemm|cast|linear|debug|tp|demo|tests|soak|host|compile ...]
-# (default: all). Each step's wall time goes to the log; JSON/PNG results are packed into
-# $OUT/results.tgz at the end (the device tool returns only a few files).
-# compile (not in the default steps): torchao, for its float8 cases, is not on the GPU machine; a
+#   OUT=/tmp/out bash bench/device_run.sh [gemm|cast|linear|debug|tp|demo|tests|soak|host|
+#                                         compile|block ...]
+# (default: gemm cast linear debug tp demo tests). Each step's wall time goes to the log;
+# JSON/PNG results are packed into $OUT/results.tgz at the end (the device tool returns only a
+# few files). compile, block: torchao, for their float8 cases, is not on the GPU machine; a
 # wheel in .whl/ (ignored by git, e.g. torchao-0.17.0-py3-none-any.whl: carry `.whl`) is installed
-# to /tmp/site for that step only.
+# to /tmp/site for those steps only.
 # GoogleTest: the GPU machine has no libgtest; copy the sources there first, e.g. from this
 # repository's machine: `cp -r /usr/src/googletest .deps/` (ignored by git; carry `.deps`).
 # On the lent H200 the image's default compiler (/opt/gcc) breaks C++ exceptions thrown from the
@@ -22,6 +23,15 @@ log=$OUT/device.log
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$log"
 python3 setup.py -q build_ext --inplace >> "$log" 2>&1 || { tail -30 "$log"; exit 1; }
 gtest=$PWD/.deps/googletest; [ -d "$gtest" ] || gtest=/usr/src/googletest
+torchao_path() {  # PYTHONPATH with torchao (from its wheel in .whl/) for compile and block
+  if ls .whl/torchao-*.whl >/dev/null 2>&1 &&
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/torchao-*.whl >> "$log" 2>&1; then
+    echo "/tmp/site:$PYTHONPATH"
+  else
+    echo "$PYTHONPATH"
+  fi
+}
 for step in $steps; do
   echo "== $step ($(date +%T))" | tee -a "$log"
   case $step in
@@ -42,13 +52,9 @@ for step in $steps; do
       fi ;;
     soak) python3 bench/soak.py --out "$OUT" 2>&1 | tee -a "$log" | grep -E '^\||soak' ;;
     host) python3 bench/host_time.py 2>&1 | tee -a "$log" ;;
-    compile)
-      pp=$PYTHONPATH
-      if ls .whl/torchao-*.whl >/dev/null 2>&1; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-          --target /tmp/site .whl/torchao-*.whl >> "$log" 2>&1 && pp=/tmp/site:$pp
-      fi
-      PYTHONPATH=$pp python3 bench/compile.py --out "$OUT" 2>&1 | tee -a "$log" | grep -E '^\|' ;;
+    compile|block)
+      PYTHONPATH=$(torchao_path) python3 bench/$step.py --out "$OUT" 2>&1 | tee -a "$log" |
+        grep -E '^\|' ;;
     demo) python3 -m tpfp8.demo --tp "$(( ngpu >= 2 ? 2 : 1 ))" --out "$OUT/demo" 2>&1 |
             tee -a "$log" | tail -6 ;;
     *) echo "unknown step $step" ;;
