@@ -177,6 +177,10 @@ void delayed_scaling_update_many(const std::vector<at::Tensor>& histories,
               histories.size(), " histories, ", scales.size(), " scales, ", scale_invs.size(),
               " scale_invs");
   TORCH_CHECK(margin >= -100 && margin <= 100, "margin must be in [-100, 100], got ", margin);
+  // Before the loop below reads scale_offsets[j].
+  TORCH_CHECK(scale_offsets.empty() || scale_offsets.size() == histories.size(),
+              "scale_offsets needs one offset per history (", histories.size(), "), got ",
+              scale_offsets.size(), "; pass [] for whole scale tensors");
   if (histories.empty()) return;
   const at::Tensor& ref = histories[0];
   int64_t total = 0;
@@ -200,8 +204,6 @@ void delayed_scaling_update_many(const std::vector<at::Tensor>& histories,
     }
     total += h.size(0);
   }
-  TORCH_CHECK(scale_offsets.empty() || scale_offsets.size() == histories.size(),
-              "scale_offsets needs one offset per history, got ", scale_offsets.size());
   TORCH_CHECK(static_cast<int64_t>(fp8_max.size()) == total, "fp8_max needs one value per tensor (",
               total, "), got ", fp8_max.size());
   DelayedScalingBatch b;
@@ -229,15 +231,6 @@ void delayed_scaling_update_many(const std::vector<at::Tensor>& histories,
   if (b.num_tensors > 0) flush();
 }
 
-// (The op: every history's scales are whole tensors.)
-void delayed_scaling_update_many_op(const std::vector<at::Tensor>& histories,
-                                    const std::vector<at::Tensor>& scales,
-                                    const std::vector<at::Tensor>& scale_invs,
-                                    const std::vector<double>& fp8_max, int64_t margin,
-                                    bool use_history_max) {
-  delayed_scaling_update_many(histories, scales, scale_invs, fp8_max, margin, use_history_max);
-}
-
 TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
   m.def(
       "quantize(Tensor input, Tensor scale, Tensor(a!) out, Tensor(b!)? amax, "
@@ -256,7 +249,8 @@ TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
       "Tensor fp8_max, int margin, bool use_history_max) -> ()");
   m.def(
       "delayed_scaling_update_many(Tensor(a!)[] histories, Tensor(b!)[] scales, "
-      "Tensor(c!)[] scale_invs, float[] fp8_max, int margin, bool use_history_max) -> ()");
+      "Tensor(c!)[] scale_invs, float[] fp8_max, int margin, bool use_history_max, "
+      "int[] scale_offsets=[]) -> ()");
 }
 
 #define TPFP8_REGISTER_CAST_OPS(m)                           \
@@ -267,7 +261,7 @@ TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
   m.impl("dequantize", &dequantize);                         \
   m.impl("amax", &amax);                                     \
   m.impl("delayed_scaling_update", &delayed_scaling_update); \
-  m.impl("delayed_scaling_update_many", &delayed_scaling_update_many_op)
+  m.impl("delayed_scaling_update_many", &delayed_scaling_update_many)
 
 TORCH_LIBRARY_IMPL(tpfp8, CPU, m) { TPFP8_REGISTER_CAST_OPS(m); }
 #if defined(TPFP8_WITH_CUDA)

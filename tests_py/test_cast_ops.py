@@ -176,7 +176,27 @@ ERRORS = [
     (lambda: ops.cast_transpose_current(torch.zeros(4, 4), torch.ones(2)), "one-element float32"),
     (lambda: ops.cast_transpose_current(torch.zeros(4, 4), torch.ones(1), epsilon=-1.0),
      "epsilon must be >= 0"),
+    (lambda: ops.delayed_scaling_update_many([torch.zeros(2, 4), torch.zeros(1, 4)],
+                                             [torch.ones(3), torch.ones(3)],
+                                             [torch.ones(3), torch.ones(3)], [448.0] * 3,
+                                             scale_offsets=[0]),
+     "scale_offsets needs one offset per history \\(2\\), got 1"),
 ]
+
+
+def test_delayed_scaling_update_many_with_scale_offsets():
+    """Slots of shared scale tensors (a layer's [3]: forward tensors 0-1, gradient 2) update as
+    whole tensors would."""
+    grad = many_state(1, 1, 6, seed=5)[0][0]
+    fwd = torch.rand(2, 6, generator=torch.Generator().manual_seed(6)) * 10
+    scale, scale_inv = torch.tensor([1.0, 2.0, 3.0]), torch.empty(3)
+    want_scale, want_inv = scale.clone(), torch.empty(3)
+    fp8_max = [448.0, 448.0, 57344.0]
+    ops.delayed_scaling_update_many([fwd.clone(), grad.clone()], [want_scale[:2], want_scale[2:]],
+                                    [want_inv[:2], want_inv[2:]], fp8_max)
+    ops.delayed_scaling_update_many([fwd, grad], [scale, scale], [scale_inv, scale_inv], fp8_max,
+                                    scale_offsets=[0, 2])
+    assert torch.equal(scale, want_scale) and torch.equal(scale_inv, want_inv)
 
 
 @pytest.mark.parametrize("call,message", ERRORS)
@@ -294,6 +314,9 @@ def _opcheck_cases():
         (torch.ops.tpfp8.delayed_scaling_update_many.default,
          ([torch.rand(2, 4), torch.rand(1, 4)], [torch.ones(2), torch.ones(1)],
           [torch.ones(2), torch.ones(1)], [448.0, 448.0, 57344.0], 0, True)),
+        (torch.ops.tpfp8.delayed_scaling_update_many.default,
+         ([torch.rand(2, 4), torch.rand(1, 4)], [torch.ones(3), torch.ones(3)],
+          [torch.ones(3), torch.ones(3)], [448.0, 448.0, 57344.0], 0, True, [0, 2])),
         (torch.ops.tpfp8.gemm.default,
          (codes, codes, torch.empty(16, 16), one(0.5), one(0.25), 3, 3, None, False, False,
           False, False)),

@@ -132,15 +132,18 @@ def delayed_scaling_update(amax_history: torch.Tensor, scale: torch.Tensor,
 
 
 def delayed_scaling_update_many(histories, scales, scale_invs, fp8_max, margin: int = 0,
-                                amax_compute_algo: str = "max") -> None:
+                                amax_compute_algo: str = "max", scale_offsets=()) -> None:
     """:func:`delayed_scaling_update` for state spread over many buffers (every module's own),
     in one launch per 96 tensors, nothing copied. ``histories[j]`` is fp32
     ``[n_j, history_len]`` (tensor-major: row i is tensor i's history, newest first),
-    ``scales[j]`` / ``scale_invs[j]`` fp32 ``[n_j]``; ``fp8_max`` one float per tensor, in order.
+    ``scales[j]`` / ``scale_invs[j]`` fp32 ``[n_j]`` -- or, with ``scale_offsets`` (one per
+    history), their elements ``scale_offsets[j] .. scale_offsets[j] + n_j - 1``; ``fp8_max``
+    one float per tensor, in order.
     """
     use_history_max = _use_history_max(amax_compute_algo)
     _ops.delayed_scaling_update_many(list(histories), list(scales), list(scale_invs),
-                                     [float(v) for v in fp8_max], int(margin), use_history_max)
+                                     [float(v) for v in fp8_max], int(margin), use_history_max,
+                                     [int(v) for v in scale_offsets])
 
 
 _GEMM_TYPES = {torch.float32: int(_C.GemmType.FLOAT32), torch.bfloat16: int(_C.GemmType.BFLOAT16),
