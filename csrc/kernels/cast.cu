@@ -117,7 +117,8 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 cudaError_t quantize_cuda(const CastParams& p, cudaStream_t stream) {
-  if (p.columnwise != nullptr) return cudaErrorInvalidValue;  // cast_transpose_cuda does that
+  // cast_transpose_cuda writes those.
+  if (p.columnwise != nullptr || p.dbias != nullptr) return cudaErrorInvalidValue;
   const int64_t n = p.rows * p.cols;  // n == 0 still launches: scale_inv is written
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);

@@ -29,6 +29,9 @@ TPFP8_HD float current_scale(float amax, float epsilon, Fp8Format f) {
 //   columnwise[c * rows + r] = the same byte, transposed       (nullptr: not written)
 //   *amax = max(*amax, max |input|)   folded in, NaN-propagating (nullptr: skipped)
 //   *scale_inv = 1 / scale                                       (nullptr: skipped)
+//   dbias[c] = sum over r of input[r, c], fp32 (nullptr: skipped; cast_transpose only): the
+//          bias gradient of a cast gradient, from the cast's own read of it, summed in the
+//          fixed order below with `dbias_partial` as workspace
 struct CastParams {
   const void* input = nullptr;
   DType dtype = DType::kFloat32;
@@ -42,7 +45,23 @@ struct CastParams {
   uint8_t* columnwise = nullptr;
   float* amax = nullptr;
   float* scale_inv = nullptr;
+  float* dbias = nullptr;
+  float* dbias_partial = nullptr;  // [dbias_tiles(rows), cols] fp32, needed with dbias (GPU)
 };
+
+// Column sums (CastParams::dbias) in an order fixed by the shape alone -- the same bytes every
+// run and in the CPU reference; no float atomics. All sums start at +0 (so none is -0) and add
+// left to right; a NaN result is stored as the canonical quiet NaN.
+//   tile t: input rows [128 t, 128 t + 128) (rows past the end add nothing)
+//   lane sums  s[q] = x[q] + x[q + 16] + ... + x[q + 112]  (q < 16; rows relative to the tile)
+//   tile sum   dbias_partial[t * cols + c] = (s[0] + s[1]) + (s[2] + s[3]) + ... + (s[14] + s[15])
+//   group sums g[j] = partial[j] + partial[j + 8] + ... over tiles t = j mod 8  (j < 8)
+//   dbias[c]   = g[0] + g[1] + ... + g[7]
+// (This is the cast-transpose kernel's thread layout: 16 lanes per column, 8 rows each.)
+constexpr int64_t kDbiasTileRows = 128;
+constexpr int kDbiasLanes = 16;
+constexpr int kDbiasGroups = 8;
+inline int64_t dbias_tiles(int64_t rows) { return (rows + kDbiasTileRows - 1) / kDbiasTileRows; }
 
 // Where a cast kernel takes its scale from (CastParams' scale / scale_amax / epsilon).
 struct ScaleSource {
@@ -57,7 +76,8 @@ inline ScaleSource scale_source(const CastParams& p) { return {p.scale, p.scale_
 
 // Row-wise only (columnwise must be null): an element-wise pass at full vector width.
 cudaError_t quantize_cuda(const CastParams& p, cudaStream_t stream);
-// Any combination of row-wise / column-wise outputs, input read once.
+// Any combination of row-wise / column-wise / dbias outputs, input read once (+ a small
+// kernel summing dbias_partial).
 cudaError_t cast_transpose_cuda(const CastParams& p, cudaStream_t stream);
 // Both ops share one CPU reference: it writes whichever outputs are non-null.
 void cast_cpu(const CastParams& p);

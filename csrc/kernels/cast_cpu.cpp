@@ -1,6 +1,7 @@
 // CPU references of the casts in cast.h: plain loops over the shared encode/decode of
 // fp8_format.h, the oracle every CUDA kernel is compared with byte for byte.
 #include <algorithm>
+#include <vector>
 
 #include "cast.h"
 
@@ -25,6 +26,43 @@ void cast_typed(const CastParams& p) {
   if (p.scale_inv) *p.scale_inv = 1.0f / scale;
 }
 
+// cast.h's order of the column sums, walking rows in memory order: tile t's lane sum of lane
+// row q gets rows q, q + 16, ..., q + 112 in turn, each a contiguous row of all columns.
+template <typename T>
+void column_sums_typed(const CastParams& p) {
+  const T* in = static_cast<const T*>(p.input);
+  const int64_t cols = p.cols, tiles = dbias_tiles(p.rows);
+  std::vector<float> own;
+  float* partial = p.dbias_partial;
+  if (!partial) {
+    own.resize(tiles * cols);
+    partial = own.data();
+  }
+  std::vector<float> lanes(kDbiasLanes * cols);
+  for (int64_t t = 0; t < tiles; ++t) {
+    std::fill(lanes.begin(), lanes.end(), 0.0f);
+    for (int64_t r = t * kDbiasTileRows; r < std::min(p.rows, (t + 1) * kDbiasTileRows); ++r) {
+      float* lane = &lanes[(r % kDbiasLanes) * cols];
+      for (int64_t c = 0; c < cols; ++c) lane[c] += to_float(in[r * cols + c]);
+    }
+    for (int64_t c = 0; c < cols; ++c) {
+      float sum = 0.0f;
+      for (int q = 0; q < kDbiasLanes; q += 2)
+        sum += lanes[q * cols + c] + lanes[(q + 1) * cols + c];
+      partial[t * cols + c] = from_float<float>(sum);
+    }
+  }
+  for (int64_t c = 0; c < cols; ++c) {
+    float sum = 0.0f;
+    for (int j = 0; j < kDbiasGroups; ++j) {
+      float group = 0.0f;
+      for (int64_t t = j; t < tiles; t += kDbiasGroups) group += partial[t * cols + c];
+      sum += group;
+    }
+    p.dbias[c] = from_float<float>(sum);
+  }
+}
+
 template <typename T>
 uint32_t amax_typed(const void* input, int64_t numel) {
   const T* in = static_cast<const T*>(input);
@@ -45,7 +83,10 @@ void dequantize_typed(const DequantizeParams& p) {
 }  // namespace
 
 void cast_cpu(const CastParams& p) {
-  dispatch_dtype(p.dtype, [&](auto tag) { cast_typed<decltype(tag)>(p); });
+  dispatch_dtype(p.dtype, [&](auto tag) {
+    if (p.rowwise || p.columnwise || p.amax || p.scale_inv) cast_typed<decltype(tag)>(p);
+    if (p.dbias) column_sums_typed<decltype(tag)>(p);
+  });
 }
 
 void transpose_fp8_cpu(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out) {

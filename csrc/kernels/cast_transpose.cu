@@ -15,6 +15,12 @@
 // The FP8 tile is XOR-swizzled by 16-row group so both phases are free of bank conflicts.
 // Tiles past the tensor's edge are zero-filled in shared memory and stored in part; shapes
 // that break 16-byte alignment take an element-wise path from global memory.
+//
+// dbias (cast.h) rides on phase 1: each thread sums its 8 columns over its 8 rows in registers,
+// the two threads of a column segment in a warp add by shuffle, and 128 threads add the 8 warps'
+// sums from shared memory into the tile's row of dbias_partial. A second kernel adds those rows
+// in groups of 8. Work items are then whole tiles (no row bands), so the order of additions
+// depends on the shape alone.
 #include <cuda_runtime.h>
 
 #include "cast.h"
@@ -29,6 +35,10 @@ constexpr int kTileWords = kTile / 4;                     // 32-bit words per sh
 constexpr int kSegmentsPerRow = kTile / 8;                // phase 1: 8-element segments per row
 constexpr int kRowsPerPass = kThreads / kSegmentsPerRow;  // 16
 constexpr int kPasses = kTile / kRowsPerPass;             // 8
+constexpr int kWarps = kThreads / 32;
+static_assert(kTile == kDbiasTileRows && kRowsPerPass == kDbiasLanes && kWarps == kDbiasGroups &&
+                  kSegmentsPerRow == 16,
+              "the dbias order of cast.h is this kernel's thread layout");
 
 // Word column where (row, word) lives in the shared tile: XOR by the row's 16-row group.
 __device__ __forceinline__ int swizzle(int row, int word) { return word ^ (((row / 16) % 8) << 2); }
@@ -109,7 +119,42 @@ struct TileArgs {
   float scale;
   uint8_t* rowwise;
   uint8_t* columnwise;
+  float* dbias_partial;  // [tiles_m, cols]; null: no column sums
 };
+
+// A thread's column sums: its 8 columns (segment) over its 8 rows of a tile, in cast.h's order.
+struct ColumnSums {
+  float v[8] = {};
+  template <typename T>
+  __device__ __forceinline__ void add(const device::Pack8<T>& pack) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] += device::load_float(pack.v[j]);
+  }
+};
+
+// Phase one of a tile's column sums: the two threads of a column segment in warp w (lane rows
+// 2w and 2w + 1) add theirs, and the first stores the warp's 128 sums to `warp_sums`
+// [kWarps][kTile]. Every thread must call it; a barrier must follow before store_tile_sums.
+__device__ __forceinline__ void publish_sums(ColumnSums& s, float* warp_sums) {
+  const int lane = threadIdx.x % 32, seg = threadIdx.x % kSegmentsPerRow;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) s.v[j] += __shfl_xor_sync(0xFFFFFFFFu, s.v[j], 16);
+  if (lane < 16) {
+    float4* out = reinterpret_cast<float4*>(warp_sums + (threadIdx.x / 32) * kTile + seg * 8);
+    out[0] = make_float4(s.v[0], s.v[1], s.v[2], s.v[3]);
+    out[1] = make_float4(s.v[4], s.v[5], s.v[6], s.v[7]);
+  }
+}
+
+// Phase two: thread c < 128 adds column c over the warps, in warp order, into the tile's row.
+__device__ __forceinline__ void store_tile_sums(const float* warp_sums, const TileArgs& t) {
+  const int c = threadIdx.x;
+  if (c >= kTile || t.k0 + c >= t.cols) return;
+  float sum = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) sum += warp_sums[w * kTile + c];
+  t.dbias_partial[(t.m0 / kTile) * t.cols + t.k0 + c] = from_float<float>(sum);
+}
 
 // Starts the copy of the tile at (t.m0, t.k0) into `buf` ([kTile][kTile] row-major, zeros
 // past the tensor's edge); a warp copies whole rows. 16-byte chunks are wholly inside or
@@ -130,14 +175,20 @@ __device__ __forceinline__ void load_tile_async(const T* __restrict__ in, const 
 
 // Casts a tile staged in shared memory; stores only what lies inside the tensor (whole
 // 8-byte row-wise and 16-byte column-wise segments, by the vector path's alignment).
+// Column sums (dbias_partial) from the staged values; rows past the edge are zeros there.
 template <Fp8Format F, typename T>
-__device__ void staged_tile(const T* buf, const TileArgs& t, uint32_t* fp8_tile, uint32_t& amax) {
+__device__ void staged_tile(const T* buf, const TileArgs& t, uint32_t* fp8_tile, float* warp_sums,
+                            uint32_t& amax) {
   const int seg = threadIdx.x % kSegmentsPerRow, row0 = threadIdx.x / kSegmentsPerRow;
   const bool seg_inside = t.k0 + seg * 8 < t.cols;
+  ColumnSums sums;
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
     const int r = row0 + p * kRowsPerPass;
-    const auto& pack = *reinterpret_cast<const device::Pack8<T>*>(buf + r * kTile + seg * 8);
+    const auto pack = *reinterpret_cast<const device::Pack8<T>*>(buf + r * kTile + seg * 8);
+    if constexpr (!std::is_same_v<T, uint8_t>) {
+      if (t.dbias_partial) sums.add(pack);
+    }
     const uint2 bytes = segment_bytes<F>(pack, t.scale, amax);
     if (t.rowwise && seg_inside && t.m0 + r < t.m_end) {
       *reinterpret_cast<uint2*>(t.rowwise + (t.m0 + r) * t.cols + t.k0 + seg * 8) = bytes;
@@ -146,8 +197,11 @@ __device__ void staged_tile(const T* buf, const TileArgs& t, uint32_t* fp8_tile,
       *reinterpret_cast<uint2*>(fp8_tile + r * kTileWords + swizzle(r, 2 * seg)) = bytes;
     }
   }
+  if (t.dbias_partial) publish_sums(sums, warp_sums);
+  if (!t.columnwise && !t.dbias_partial) return;
+  __syncthreads();  // the FP8 tile and the warps' sums complete
+  if (t.dbias_partial) store_tile_sums(warp_sums, t);
   if (!t.columnwise) return;
-  __syncthreads();
   // Phase 2: lane -> 16-row group (8 per 128 rows) and word column (4 per warp).
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int group = lane % 8, word = warp * 4 + lane / 8;
@@ -174,14 +228,32 @@ __device__ void staged_tile(const T* buf, const TileArgs& t, uint32_t* fp8_tile,
 }
 
 // Any tile, any alignment: one element per thread and step, straight from global memory.
+// Column sums are a second read of the tile (from cache) in the staged path's thread layout.
 template <Fp8Format F, typename T>
-__device__ void element_tile(const T* __restrict__ in, const TileArgs& t, uint32_t& amax) {
+__device__ void element_tile(const T* __restrict__ in, const TileArgs& t, float* warp_sums,
+                             uint32_t& amax) {
   for (int i = threadIdx.x; i < kTile * kTile; i += kThreads) {
     const int64_t m = t.m0 + i / kTile, k = t.k0 + i % kTile;
     if (m >= t.m_end || k >= t.cols) continue;
     const uint8_t b = element_byte<F>(in[m * t.cols + k], t.scale, amax);
     if (t.rowwise) t.rowwise[m * t.cols + k] = b;
     if (t.columnwise) t.columnwise[k * t.rows + m] = b;
+  }
+  if constexpr (!std::is_same_v<T, uint8_t>) {
+    if (!t.dbias_partial) return;
+    const int seg = threadIdx.x % kSegmentsPerRow, row0 = threadIdx.x / kSegmentsPerRow;
+    ColumnSums sums;
+    for (int p = 0; p < kPasses; ++p) {
+      const int64_t m = t.m0 + row0 + p * kRowsPerPass;
+      for (int j = 0; j < 8; ++j) {
+        const int64_t k = t.k0 + seg * 8 + j;
+        sums.v[j] += m < t.m_end && k < t.cols ? device::load_float(in[m * t.cols + k]) : 0.0f;
+      }
+    }
+    publish_sums(sums, warp_sums);
+    __syncthreads();
+    store_tile_sums(warp_sums, t);
+    __syncthreads();  // warp_sums read before the next tile writes them
   }
 }
 
@@ -190,13 +262,14 @@ __global__ void __launch_bounds__(kThreads)
     tile_transpose_kernel(const T* __restrict__ in, int64_t rows, int64_t cols,
                           ScaleSource scale_src, uint8_t* __restrict__ rowwise,
                           uint8_t* __restrict__ columnwise, float* amax, float* scale_inv,
-                          bool vec) {
+                          float* dbias_partial, bool vec) {
   using S = Staging<T>;
   extern __shared__ uint4 smem[];  // 16-byte aligned, as cp.async needs
   T* const stages = reinterpret_cast<T*>(smem);
   uint32_t* const fp8_tile =
       reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(smem) + S::kStages * S::kTileBytes);
-  TileArgs t{rows, cols, 0, 0, 0, scale_src.resolve(F), rowwise, columnwise};
+  __shared__ __align__(16) float warp_sums[kWarps * kTile];
+  TileArgs t{rows, cols, 0, 0, 0, scale_src.resolve(F), rowwise, columnwise, dbias_partial};
   // Tile and item indices fit 32 bits (2^31 tiles would be 2^45 elements); 64-bit division
   // per item cost several % of the bandwidth, the block being short of warps to hide it.
   const int tiles_k = static_cast<int>((cols + kTile - 1) / kTile);
@@ -204,8 +277,12 @@ __global__ void __launch_bounds__(kThreads)
   // Work items, dealt round-robin: tiles, or for a tensor of fewer tiles than blocks, row bands
   // of 128 / 2^log_split rows so more SMs take part (2048x1024: 65 -> 90 % of a copy). Cutting
   // only the last round of a large tensor did not pay (8192^2: 87 % either way).
+  // Column sums take whole tiles: their order must not depend on the grid.
   int log_split = 0;
-  while (log_split < 3 && (tiles << (log_split + 1)) <= static_cast<int>(gridDim.x)) ++log_split;
+  while (!dbias_partial && log_split < 3 &&
+         (tiles << (log_split + 1)) <= static_cast<int>(gridDim.x)) {
+    ++log_split;
+  }
   const int items = tiles << log_split;
   // Items are dealt from the end of the tensor: its tail is what L2 still holds from the pass
   // that last touched it (a cast right after current scaling's amax: 25 -> 23 us at 4096^2 bf16).
@@ -233,12 +310,12 @@ __global__ void __launch_bounds__(kThreads)
       // This item's copies visible to all; the previous item (its stage, the FP8 tile) done.
       __syncthreads();
       prefetch(item + (S::kStages - 1) * gridDim.x, (stage + S::kStages - 1) % S::kStages);
-      staged_tile<F>(stages + stage * (kTile * kTile), at(item), fp8_tile, local_amax);
+      staged_tile<F>(stages + stage * (kTile * kTile), at(item), fp8_tile, warp_sums, local_amax);
       stage = (stage + 1) % S::kStages;
     }
   } else {
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
-      element_tile<F>(in, at(item), local_amax);
+      element_tile<F>(in, at(item), warp_sums, local_amax);
     }
   }
   if (amax) device::fold_block_amax(local_amax, amax);
@@ -267,40 +344,74 @@ int blocks_per_sm() {
 
 template <Fp8Format F, typename T>
 void launch(const T* in, int64_t rows, int64_t cols, ScaleSource scale, uint8_t* rowwise,
-            uint8_t* columnwise, float* amax, float* scale_inv, cudaStream_t stream) {
+            uint8_t* columnwise, float* amax, float* scale_inv, float* dbias_partial,
+            cudaStream_t stream) {
   // 16-byte copies and column-wise stores, 8-byte row-wise stores: every start aligned.
   const bool vec = rows % 16 == 0 && cols % 8 == 0 && cols * sizeof(T) % 16 == 0 &&
                    device::aligned(in, 16) && device::aligned(rowwise, 8) &&
                    device::aligned(columnwise, 16);
   const int64_t tiles = ((rows + kTile - 1) / kTile) * ((cols + kTile - 1) / kTile);
   const int64_t resident = int64_t{current_sm_count()} * blocks_per_sm<F, T>();
-  // Small tensors: up to 8 row bands per tile, to reach more SMs.
-  const int grid = static_cast<int>(std::max<int64_t>(1, std::min(tiles * 8, resident)));
+  // Small tensors: up to 8 row bands per tile, to reach more SMs (not with column sums).
+  const int64_t items = dbias_partial ? tiles : tiles * 8;
+  const int grid = static_cast<int>(std::max<int64_t>(1, std::min(items, resident)));
   tile_transpose_kernel<F, T><<<grid, kThreads, Staging<T>::kSmemBytes, stream>>>(
-      in, rows, cols, scale, rowwise, columnwise, amax, scale_inv, vec);
+      in, rows, cols, scale, rowwise, columnwise, amax, scale_inv, dbias_partial, vec);
+}
+
+// dbias[c] from the tiles' rows of partial sums (cast.h's order): warp j adds the tiles
+// t = j mod 8 of 32 columns, warp 0 adds the 8 group sums. A column's loads are independent of
+// its sums, so each thread keeps several in flight.
+constexpr int kSumColumns = 32;
+__global__ void __launch_bounds__(kThreads)
+    dbias_reduce_kernel(const float* __restrict__ partial, int64_t tiles, int64_t cols,
+                        float* __restrict__ dbias) {
+  __shared__ float group_sums[kDbiasGroups][kSumColumns];
+  const int lane = threadIdx.x % kSumColumns, group = threadIdx.x / kSumColumns;
+  const int64_t c = int64_t{blockIdx.x} * kSumColumns + lane;
+  float sum = 0.0f;
+  if (c < cols) {
+#pragma unroll 4
+    for (int64_t t = group; t < tiles; t += kDbiasGroups) sum += partial[t * cols + c];
+  }
+  group_sums[group][lane] = sum;
+  __syncthreads();
+  if (group != 0 || c >= cols) return;
+  sum = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kDbiasGroups; ++j) sum += group_sums[j][lane];
+  dbias[c] = from_float<float>(sum);
 }
 
 }  // namespace
 
 cudaError_t cast_transpose_cuda(const CastParams& p, cudaStream_t stream) {
+  if (p.dbias && !p.dbias_partial && p.rows > 0) return cudaErrorInvalidValue;
+  float* const partial = p.dbias ? p.dbias_partial : nullptr;
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     const T* in = static_cast<const T*>(p.input);
     if (p.format == Fp8Format::kE4M3) {
       launch<Fp8Format::kE4M3>(in, p.rows, p.cols, scale_source(p), p.rowwise, p.columnwise, p.amax,
-                               p.scale_inv, stream);
+                               p.scale_inv, partial, stream);
     } else {
       launch<Fp8Format::kE5M2>(in, p.rows, p.cols, scale_source(p), p.rowwise, p.columnwise, p.amax,
-                               p.scale_inv, stream);
+                               p.scale_inv, partial, stream);
     }
   });
+  if (p.dbias && p.cols > 0) {
+    const auto blocks = static_cast<unsigned>((p.cols + kSumColumns - 1) / kSumColumns);
+    dbias_reduce_kernel<<<blocks, kThreads, 0, stream>>>(partial, dbias_tiles(p.rows), p.cols,
+                                                         p.dbias);
+  }
   return cudaGetLastError();
 }
 
 cudaError_t transpose_fp8_cuda(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out,
                                cudaStream_t stream) {
   if (rows * cols == 0) return cudaSuccess;
-  launch<Fp8Format::kE4M3>(in, rows, cols, ScaleSource{}, nullptr, out, nullptr, nullptr, stream);
+  launch<Fp8Format::kE4M3>(in, rows, cols, ScaleSource{}, nullptr, out, nullptr, nullptr, nullptr,
+                           stream);
   return cudaGetLastError();
 }
 
