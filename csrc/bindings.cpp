@@ -7,6 +7,7 @@
 
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
+#include "backward_guard.h"
 #include "kernels/gemm.h"
 #include "linear.h"
 
@@ -83,6 +84,9 @@ PYBIND11_MODULE(_C, m) {
       py::call_guard<py::gil_scoped_release>(),
       "Delayed-scaling update of many layers' states now (amaxes all-reduced over the named "
       "group first, if any)");
+  m.def("set_forward_vetted", &set_forward_vetted, py::arg("vetted"),
+        "Marks this thread's next Linear forward ops as checked by the module inside a backward "
+        "pass (an activation checkpoint's recompute); see csrc/backward_guard.h");
   m.def("set_debug_logger", &set_debug_logger, py::arg("logger"),
         "The function tpfp8.debug's reports go to: logger(handle, gemm, tensor, used, original, "
         "scale_inv, format)");

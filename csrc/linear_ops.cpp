@@ -2,13 +2,22 @@
 // linear_backward: tensors (the layer's FP8 state and caches among them, mutated in place as
 // the schemas declare) and plain values only, so torch.compile traces a call as one node.
 // The tensor-parallel group travels by name, as torch's functional collectives pass it.
+#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
 
+#include "backward_guard.h"
 #include "linear.h"
 
 namespace tpfp8 {
 namespace {
+
+thread_local bool forward_vetted = false;
+
+bool in_compiled_backward() {
+  const auto node = torch::autograd::get_current_node();
+  return node && node->name().find("CompiledFunction") != std::string::npos;
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_op(
     const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, const OptTensor& scale,
@@ -17,15 +26,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_o
     int64_t scaling, int64_t fwd_format, int64_t grad_format, double epsilon, int64_t weight_cache,
     bool save_original_input, int64_t parallel_mode, bool sequence_parallel,
     c10::string_view group_name, at::IntArrayRef debug, bool need_dgrad, bool need_wgrad) {
-  // A forward that records its amax never runs inside backward. There it is an activation
-  // checkpoint's recompute that the module's Python did not see (a torch.compile'd layer under
-  // an eager checkpoint): it would fold its amax again and cast with scales the step's update
-  // may have moved. (Recomputes the module sees pass the forward's scales and no history.)
-  TORCH_CHECK(!amax_history || torch::autograd::get_current_graph_task_id() == -1,
-              "a delayed-scaling tpfp8.Linear forward ran inside a backward pass: an activation "
-              "checkpoint recomputes a layer compiled on its own, whose compiled code cannot "
-              "repeat the forward's scales. Compile the checkpointed block as a whole "
-              "(torch.compile outside torch.utils.checkpoint), or leave the layer uncompiled");
+  check_forward_outside_backward_or_vetted(amax_history.has_value());
   // Every check runs before any state (amax history, caches) is touched.
   const ForwardCall call = checked_forward_call(
       x, weight, bias, scale, amax_history, cache_rowwise, cache_columnwise, cache_scale_inv,
@@ -76,6 +77,21 @@ ForwardCall checked_forward_call(const at::Tensor& x, const at::Tensor& weight,
        cache_scale_inv.value_or(at::Tensor())}};
   check_inputs(x, weight, bias, call.c, call.state, call.cache, main_grad);
   return call;
+}
+
+void set_forward_vetted(bool vetted) { forward_vetted = vetted; }
+
+void check_forward_outside_backward_or_vetted(bool records_amax) {
+  // (A compiled backward's own recomputes never repeat an op that records its amax: it mutates.)
+  TORCH_CHECK(forward_vetted || torch::autograd::get_current_graph_task_id() == -1 ||
+                  (in_compiled_backward() && !records_amax),
+              "a tpfp8.Linear forward ran inside a backward pass where tpfp8 could not check "
+              "which forward it repeats: an eager activation checkpoint recomputes a "
+              "torch.compile'd layer or function, whose compiled code repeats what it was "
+              "traced with, not the forward's recipe and scales. Compile the model around its "
+              "checkpoints instead (torch.compile(model); with delayed scaling "
+              "fullgraph=False, where torch runs each checkpoint eagerly), or leave the "
+              "checkpointed code uncompiled");
 }
 
 TORCH_LIBRARY_FRAGMENT(tpfp8, m) {

@@ -254,42 +254,144 @@ def test_nested_checkpoints_of_both_kinds(outer, inner):
         assert_same(step(model(), True), step(model(), False))
 
 
-def test_forward_inside_backward_that_no_checkpoint_recorded_is_refused():
-    """A layer called from a backward hook in FP8: not a recompute tpfp8 can match to its
-    forward, so a clear error (in high precision it simply runs)."""
-    lin, _ = make(seed=31)
-    probe = torch.randn(4, 32)
+def test_forward_run_from_a_backward_hook_is_a_plain_forward():
+    """A layer called from a backward hook (not a recompute: no checkpoint, no earlier forward
+    that could be recomputed) runs as any forward under the fp8_autocast around it."""
+    for recipe in (None, DELAYED, CURRENT):
+        lin, twin = make(seed=31)[0], make(seed=31)[0]
+        probe = torch.randn(4, 32)
+        got = []
 
-    def run_layer(fp8):
         def hook(grad):
-            with tpfp8.fp8_autocast(enabled=fp8):
-                lin(probe)
+            with tpfp8.fp8_autocast(enabled=recipe is not None, recipe=recipe):
+                got.append(lin(probe))
             return grad
         x = torch.randn(4, 32, requires_grad=True)
         x.register_hook(hook)
         (x * 2).sum().backward()
+        with tpfp8.fp8_autocast(enabled=recipe is not None, recipe=recipe):
+            want = twin(probe)
+        assert torch.equal(got[0], want)
+        assert_same(state_of(lin), state_of(twin))
 
-    run_layer(False)
-    before = state_of(lin)
-    with pytest.raises(RuntimeError, match="not as the recompute of an activation checkpoint"):
-        run_layer(True)
-    assert_same(state_of(lin), before)
+
+class HomeMadeCheckpoint(torch.autograd.Function):
+    """A reentrant checkpoint written with setup_context (its forward has no ctx)."""
+
+    @staticmethod
+    def forward(fn, x):
+        return fn(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.fn = inputs[0]
+        ctx.save_for_backward(inputs[1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(True)
+            y = ctx.fn(x)
+        torch.autograd.backward(y, dy)
+        return None, x.grad
+
+
+def without_output(fn, x):
+    """A checkpoint that recomputes from a tensor hook (as Megatron's CheckpointWithoutOutput):
+    the forward runs without grad, its recompute runs when the output's gradient arrives."""
+    with torch.no_grad():
+        y = fn(x)
+    y = y.detach().requires_grad_(True)
+    carrier = y * 1.0  # the graph below y's gradient
+
+    def recompute(dy):
+        with torch.enable_grad():
+            xd = x.detach().requires_grad_(True)
+            torch.autograd.backward(fn(xd), dy)
+        x.grad = xd.grad if x.grad is None else x.grad + xd.grad
+        return dy
+    y.register_hook(recompute)
+    return carrier
+
+
+@pytest.mark.parametrize("checkpoint", ["deep reentrant", "setup_context", "without output"])
+@pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
+def test_checkpoints_tpfp8_cannot_see_still_recompute_exactly(checkpoint, recipe):
+    """A reentrant checkpoint 30 modules above the layer, a home-made one with setup_context,
+    and one that recomputes from a tensor hook: backward after fp8_autocast's exit gives the
+    gradients and state of the un-checkpointed step."""
+    def step(ckpt):
+        torch.manual_seed(800)
+        lin = make(seed=33)[0]
+        model = lin
+        for _ in range(30):
+            model = nn.Sequential(model)
+        x = torch.randn(8, 32, requires_grad=True)
+        with tpfp8.fp8_autocast(recipe=recipe):
+            if not ckpt:
+                y = model(x)
+            elif checkpoint == "deep reentrant":
+                y = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=True)
+            elif checkpoint == "setup_context":
+                y = HomeMadeCheckpoint.apply(model, x)
+            else:
+                y = without_output(model, x)
+        y.square().sum().backward()
+        return grads_and_state(lin, x)
+
+    assert_same(step(True), step(False))
+
+
+def test_recompute_nothing_identifies_with_differing_forwards_is_refused():
+    """Two forwards in flight through a checkpoint tpfp8 cannot see, under different recipes:
+    which one a recompute repeats is unknowable -- a clear error, not a guess."""
+    lin = make(seed=34)[0]
+    outputs = []
+    for recipe in (CURRENT, tpfp8.CurrentScaling(fp8_format="e4m3")):
+        with tpfp8.fp8_autocast(recipe=recipe):
+            outputs.append(without_output(lin, torch.randn(8, 32, requires_grad=True)))
+    with pytest.raises(RuntimeError, match="its recent forwards differ"):
+        outputs[0].sum().backward()
+
+
+def test_saved_tensor_hooks_disabled_with_hooks_in_place():
+    """AOTAutograd disables saved-tensor hooks with the stack in place: a forward then leaves
+    the hooks and their disabled state as they were."""
+    lin, x = make(seed=35)[0], torch.randn(4, 32)
+    autograd = torch._C._autograd
+    with torch.autograd.graph.save_on_cpu():
+        top = autograd._top_saved_tensors_default_hooks(False)
+        autograd._saved_tensors_hooks_disable("hooks are off here", False)
+        try:
+            with torch.no_grad(), tpfp8.fp8_autocast():
+                lin(x)
+            assert not autograd._saved_tensors_hooks_is_enabled()
+            assert autograd._saved_tensors_hooks_get_disabled_error_message() == \
+                "hooks are off here"
+        finally:
+            autograd._saved_tensors_hooks_enable()
+        assert autograd._top_saved_tensors_default_hooks(False) == top
 
 
 def test_compiled_layer_under_an_eager_checkpoint():
     """torch.compile'd layer checkpointed from outside: the compiled code cannot see the
-    recompute, so delayed scaling refuses it clearly (state untouched); current scaling, which
-    keeps no state, repeats it exactly when backward runs under the forward's recipe."""
-    lin, _ = make(seed=32)
-    compiled = torch.compile(lin, backend="aot_eager", fullgraph=True)
-    x = torch.randn(8, 32, requires_grad=True)
-    with tpfp8.fp8_autocast(recipe=DELAYED):
-        y = torch.utils.checkpoint.checkpoint(compiled, x, use_reentrant=False)
-    before = state_of(lin)
-    with tpfp8.fp8_autocast(recipe=DELAYED), pytest.raises(RuntimeError,
-                                                          match="inside a backward pass"):
-        y.sum().backward()
-    assert_same(state_of(lin), before)
+    recompute, so it is refused clearly (state untouched) -- except where it is the compiled
+    forward again under the same guards: current scaling with backward under the forward's
+    recipe repeats it exactly."""
+    for reentrant, recipe, backward_in in ((False, DELAYED, True), (True, CURRENT, False),
+                                           (True, DELAYED, False)):
+        lin, _ = make(seed=32)
+        compiled = torch.compile(lin, backend="aot_eager", fullgraph=True)
+        x = torch.randn(8, 32, requires_grad=True)
+        with tpfp8.fp8_autocast(recipe=recipe):
+            y = torch.utils.checkpoint.checkpoint(compiled, x, use_reentrant=reentrant)
+        before = state_of(lin)
+        with (tpfp8.fp8_autocast(recipe=recipe) if backward_in else nullcontext()), \
+                pytest.raises(RuntimeError, match="inside a backward pass"):
+            y.sum().backward()
+        assert_same(state_of(lin), before)
+        torch._dynamo.reset()
 
     plain, _ = make(seed=32)
     results = []
@@ -322,3 +424,38 @@ def test_pickle_and_deepcopy_after_a_recompute():
     for layer in (twin, pickle.loads(pickle.dumps(old))):
         with tpfp8.fp8_autocast():
             torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False).sum().backward()
+
+
+@pytest.mark.parametrize("recipe,fullgraph", [(CURRENT, True), (DELAYED, False)],
+                         ids=["current-fullgraph", "delayed-graph-breaks"])
+def test_compiled_model_with_checkpoints_inside(recipe, fullgraph):
+    """torch.compile of a model whose blocks call torch.utils.checkpoint: with current scaling
+    the whole model compiles (its backward's recomputes were traced with the forward); delayed
+    scaling's state updates are side effects torch's compiled checkpoint refuses, so it runs
+    with fullgraph=False (torch runs each checkpoint eagerly). Both equal the plain model."""
+    class Blocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(36)
+            self.a, self.b = tpfp8.Linear(32, 64), tpfp8.Linear(64, 32)
+
+        def forward(self, x, ckpt=True):
+            block = lambda v: self.b(torch.relu(self.a(v)))  # noqa: E731
+            return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if ckpt \
+                else block(x)
+
+    results = []
+    for compiled in (False, True):
+        model = Blocks()
+        fn = torch.compile(model, backend="aot_eager", fullgraph=fullgraph) if compiled \
+            else functools.partial(model, ckpt=False)
+        for step in range(2):
+            torch.manual_seed(900 + step)
+            x = torch.randn(8, 32, requires_grad=True)
+            with tpfp8.fp8_autocast(recipe=recipe):
+                y = fn(x)
+            y.square().sum().backward()
+        results.append([x.grad] + [p.grad for p in model.parameters()]
+                       + state_of(model.a) + state_of(model.b))
+    torch._dynamo.reset()
+    assert_same(*results)

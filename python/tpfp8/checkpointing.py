@@ -13,8 +13,16 @@ evaluations or backward passes run in.
 A checkpoint is found from what it leaves in place while it runs:
 - non-reentrant: its saved-tensor hooks. A forward's hooks hold the checkpoint frame, a
   recompute's hold a weak reference to it (torch.utils.checkpoint's ``_CheckpointFrame``).
-- reentrant: the Function's ``forward(ctx, ...)`` on the Python stack while it runs without
-  grad, and the Function's backward node (``ctx`` itself) as backward's current node.
+- reentrant: the Function's ``forward(ctx, ...)`` on the Python stack while it runs (grad and
+  forward-mode grad both off: what tells it from a plain no-grad evaluation, which pays
+  nothing), and the Function's backward node (``ctx`` itself) as backward's current node.
+
+Checkpoints that leave neither (Megatron's CheckpointWithoutOutput recomputes from a tensor
+hook; a Function with ``setup_context`` has no ctx in forward) are served by the layer's
+"loose" records: its forwards that could be recomputed (no grad, or under saved-tensor hooks)
+but were kept by no checkpoint. A recompute nothing else matches repeats the loose record if
+the recent ones agree (same update, recipe and group: the same computation), and is refused
+if they differ -- never a guess.
 """
 import sys
 import weakref
@@ -25,8 +33,9 @@ import torch.utils.checkpoint
 
 _FRAME = getattr(torch.utils.checkpoint, "_CheckpointFrame", None)
 _TOP = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_FWD_GRAD = torch._C._is_fwd_grad_enabled
 _FORWARDS, _CURSORS = "_tpfp8_forwards", "_tpfp8_cursors"  # attributes set on a checkpoint
-_STACK_LIMIT = 64  # Python frames searched for a running Function's forward
+_MAX_LOOSE = 8  # distinct loose records kept per layer
 
 
 class Forward(NamedTuple):
@@ -37,22 +46,25 @@ class Forward(NamedTuple):
     amax_group: object
 
 
-class Unknown(RuntimeError):
-    """A forward inside backward that no known checkpoint recorded."""
+class Ambiguous(RuntimeError):
+    """A recompute no checkpoint recorded, with loose records that disagree."""
 
 
 class Checkpoints(NamedTuple):
-    """The checkpoints around a forward: those whose forward is running (innermost first), and
-    the one being recomputed with what identifies this recompute run (None: not a recompute)."""
+    """The checkpoints around a forward: those whose forward is running (innermost first), the
+    one being recomputed with what identifies this recompute run (None: the forward does not
+    run inside backward), and whether saved-tensor hooks are active."""
     running: List[object]
     recomputed: Optional[object]
     run: object
+    hooked: bool
 
 
 def around() -> Checkpoints:
     """The checkpoints around the forward being called (never while torch.compile traces)."""
     running, recomputed, run = [], None, None
-    for pack in _pack_hooks():
+    hooks = _pack_hooks()
+    for pack in hooks:
         frame, is_recompute = _frame_of(pack)
         if frame is None:
             continue
@@ -60,49 +72,82 @@ def around() -> Checkpoints:
             recomputed, run = frame, pack
             break
         running.append(frame)
-    if not torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+    if not torch.is_grad_enabled() and not _FWD_GRAD() and not torch.is_inference_mode_enabled():
         running.extend(_functions_running())
     if recomputed is None and torch._C._current_graph_task_id() != -1:
         node = torch._C._current_autograd_node()  # a reentrant checkpoint's backward: its ctx
-        recomputed, run = node, torch._C._current_graph_task_id()
-    return Checkpoints(running, recomputed, run)
+        recomputed, run = (node if node is not None else False), torch._C._current_graph_task_id()
+    return Checkpoints(running, recomputed, run, bool(hooks))
 
 
 def record(layer, forward: Forward, checkpoints: Checkpoints) -> None:
-    """Leaves `forward` on each running checkpoint, for its recompute to repeat."""
+    """Leaves `forward` on each running checkpoint, for its recompute to repeat; a forward that
+    could be recomputed but that no checkpoint keeps is a loose record of the layer."""
     for checkpoint in checkpoints.running:
         forwards = checkpoint.__dict__.setdefault(_FORWARDS, {})
         forwards.setdefault(layer, []).append(forward)
+    if not checkpoints.running and (checkpoints.hooked or not torch.is_grad_enabled()) \
+            and not torch.is_inference_mode_enabled():
+        loose = layer.__dict__["_fp8_loose"]
+        loose.pop(forward, None)  # (newest last)
+        loose[forward] = None
+        if len(loose) > _MAX_LOOSE:
+            del loose[next(iter(loose))]
 
 
-def repeated(layer, checkpoints: Checkpoints) -> Forward:
+def updated(layer) -> None:
+    """After a delayed-scaling update of `layer`: loose records older than the one update a
+    recompute can bridge go, but the newest stays (its recompute then fails clearly)."""
+    loose, now = layer.__dict__["_fp8_loose"], layer._fp8_updates
+    for forward in [f for f in loose if now - f.updates > 1][:len(loose) - 1]:
+        del loose[forward]
+
+
+def repeated(layer, checkpoints: Checkpoints) -> Optional[Forward]:
     """The forward a recompute repeats: the next of the layer's records on the checkpoint being
-    recomputed (a layer may run more than once in a block). Checkpoints re-made by the
-    recompute (nested ones) get it too, for their own recompute later."""
+    recomputed (a layer may run more than once in a block); checkpoints re-made by the
+    recompute (nested ones) get it too, for their own recompute later. Else the loose record
+    if the recent ones agree (Ambiguous if not); None if the layer has none (a forward that
+    merely runs inside backward, e.g. from a hook)."""
     checkpoint = checkpoints.recomputed
     forwards = getattr(checkpoint, "__dict__", {}).get(_FORWARDS, {}).get(layer)
-    cursors = getattr(checkpoint, "__dict__", {}).setdefault(_CURSORS, {})
-    i = cursors.get((layer, checkpoints.run), 0)
-    if forwards is None or i >= len(forwards):
-        raise Unknown()
-    cursors[(layer, checkpoints.run)] = i + 1
-    record(layer, forwards[i], checkpoints)
-    return forwards[i]
+    if forwards is not None:
+        cursors = checkpoint.__dict__.setdefault(_CURSORS, {})
+        i = cursors.get((layer, checkpoints.run), 0)
+        if i < len(forwards):
+            cursors[(layer, checkpoints.run)] = i + 1
+            record(layer, forwards[i], checkpoints)
+            return forwards[i]
+    loose = list(layer.__dict__["_fp8_loose"])
+    recent = {f for f in loose if layer._fp8_updates - f.updates <= 1} or set(loose[-1:])
+    if len(recent) > 1:
+        raise Ambiguous()
+    return recent.pop() if recent else None
 
 
 def _pack_hooks() -> list:
     """The pack functions of the active saved-tensor hooks, innermost first. (torch shows only
-    the top pair: take them off and put them back.)"""
+    the top pair: take them off and put them back, with pushing allowed meanwhile if it was
+    not -- AOTAutograd disables hooks with the stack in place.)"""
     if _TOP is None or _TOP(False) is None:
         return []
+    autograd = torch._C._autograd
+    disabled = None if autograd._saved_tensors_hooks_is_enabled() else \
+        autograd._saved_tensors_hooks_get_disabled_error_message()
     taken = []
     try:
         while (top := _TOP(False)) is not None:
             taken.append(top)
-            torch._C._autograd._pop_saved_tensors_default_hooks()
+            autograd._pop_saved_tensors_default_hooks()
     finally:
-        for pack, unpack in reversed(taken):
-            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+        if disabled is not None:
+            autograd._saved_tensors_hooks_enable()
+        try:
+            for pack, unpack in reversed(taken):
+                autograd._push_saved_tensors_default_hooks(pack, unpack)
+        finally:
+            if disabled is not None:
+                autograd._saved_tensors_hooks_disable(disabled, False)  # (stack kept)
     return [pack for pack, _ in taken]
 
 
@@ -127,14 +172,12 @@ def _frame_of(hook, depth: int = 0):
 
 def _functions_running() -> list:
     """The contexts of the ``autograd.Function`` forwards running on this thread's stack,
-    innermost first (a reentrant checkpoint runs its block inside one, without grad)."""
+    innermost first (a reentrant checkpoint runs its block inside one)."""
     found, frame = [], sys._getframe(2)
-    for _ in range(_STACK_LIMIT):
-        if frame is None:
-            break
+    while frame is not None:
         code = frame.f_code
-        if code.co_name == "forward" and code.co_argcount and code.co_varnames[0] == "ctx":
-            ctx = frame.f_locals.get("ctx")
+        if code.co_name == "forward" and code.co_argcount:
+            ctx = frame.f_locals.get(code.co_varnames[0])
             if isinstance(ctx, torch.autograd.function.BackwardCFunction):
                 found.append(ctx)
         frame = frame.f_back

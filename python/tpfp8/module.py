@@ -102,7 +102,7 @@ class Linear(nn.Linear):
         # For activation checkpointing (tpfp8.checkpointing): the scales before the last
         # delayed-scaling update (made by the first update) and the number of updates so far.
         self.register_buffer("fp8_scale_prev", None, persistent=False)
-        self._fp8_updates = 0
+        self._fp8_updates, self._fp8_loose = 0, {}
         # The cached FP8 weight (is_first_microbatch), made by the first call that fills it.
         for name in ("_fp8_weight_rowwise", "_fp8_weight_columnwise", "_fp8_weight_scale_inv"):
             self.register_buffer(name, None, persistent=False)
@@ -254,12 +254,14 @@ class Linear(nn.Linear):
         sets it again."""
         state = super().__getstate__()  # a copy already
         state["_fp8_amax_group"] = None
+        state["_fp8_loose"] = {}  # (forwards this layer ran, with their groups)
         return state
 
     def __setstate__(self, state) -> None:
         # Pickles of earlier versions: no update count, and per-layer records of forwards for
         # recomputes (now kept by the checkpoints themselves).
         state.setdefault("_fp8_updates", 0)
+        state.setdefault("_fp8_loose", {})
         for name in ("_fp8_ran", "_fp8_ran_no_grad", "_fp8_replayed", "_fp8_repeating"):
             state.pop(name, None)
         state.setdefault("_buffers", {}).setdefault("fp8_scale_prev", None)
@@ -273,6 +275,7 @@ class Linear(nn.Linear):
         for group in (self.tp_group, self._fp8_amax_group):
             if group is not None:
                 memo[id(group)] = group
+        memo[id(self._fp8_loose)] = {}  # (a copy has run no forward a recompute repeats)
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         new.__setstate__(copy.deepcopy(super().__getstate__(), memo))
@@ -371,13 +374,20 @@ class Linear(nn.Linear):
         call = self._prepare(config, recipe, frame, x, param, is_first_microbatch, repeated)
         a = call.args
         scale, _, amax_history, grad_amax_history = call.state or (None,) * len(_STATE)
-        y = torch.ops.tpfp8.linear(
-            x, weight, bias, scale, amax_history,
-            grad_amax_history if a.records_grad_amax else None, call.replay,
-            *call.weight_cache, call.main_grad, a.scaling, a.fwd_format, a.grad_format,
-            a.epsilon, a.weight_cache, config.save_original_input, config.parallel_mode,
-            config.sequence_parallel, config.group_name, a.debug, a.main_grad_overwrite,
-            a.saves_input, a.need_dgrad, a.need_wgrad)
+        vetted = checkpoints is not None and checkpoints.recomputed is not None
+        if vetted:  # inside backward: the op refuses forwards the module did not check
+            _C.set_forward_vetted(True)
+        try:
+            y = torch.ops.tpfp8.linear(
+                x, weight, bias, scale, amax_history,
+                grad_amax_history if a.records_grad_amax else None, call.replay,
+                *call.weight_cache, call.main_grad, a.scaling, a.fwd_format, a.grad_format,
+                a.epsilon, a.weight_cache, config.save_original_input, config.parallel_mode,
+                config.sequence_parallel, config.group_name, a.debug, a.main_grad_overwrite,
+                a.saves_input, a.need_dgrad, a.need_wgrad)
+        finally:
+            if vetted:
+                _C.set_forward_vetted(False)
         if not x.is_meta:
             self._commit(call, param, frame, recompute)
             if checkpoints is not None and not recompute:
@@ -454,21 +464,20 @@ class Linear(nn.Linear):
         return _checkpointing.Forward(self._fp8_updates, frame["recipe"], frame["amax_group"])
 
     def _repeated(self, checkpoints) -> Optional["_checkpointing.Forward"]:
-        """The forward a checkpoint's recompute repeats; None for a forward that is not one."""
+        """The forward a checkpoint's recompute repeats; None for a forward that is not one
+        (outside backward, or merely run inside it, e.g. from a hook)."""
         if checkpoints is None or checkpoints.recomputed is None:
             return None
         try:
             return _checkpointing.repeated(self, checkpoints)
-        except _checkpointing.Unknown:
-            pass
-        if _autocast.current() is None and self._fp8_recipe is None:
-            return self._forward_record(None)  # no FP8 anywhere: high precision again
-        raise RuntimeError(
-            f"tpfp8.Linear {self.name or ''} ran inside a backward pass, but not as the "
-            f"recompute of an activation checkpoint it knows, so it cannot tell which FP8 "
-            f"forward to repeat (recipe, scales). Checkpoint with torch.utils.checkpoint "
-            f"(reentrant or not) or tpfp8.checkpoint, or an autograd.Function that runs the "
-            f"block without grad in forward; or run this forward outside backward")
+        except _checkpointing.Ambiguous:
+            raise RuntimeError(
+                f"tpfp8.Linear {self.name or ''} is recomputed by a checkpoint that does not "
+                f"say which forward it repeats (not torch.utils.checkpoint or an "
+                f"autograd.Function with ctx in forward), and its recent forwards differ "
+                f"(recipe, amax group or delayed-scaling update), so it cannot tell which FP8 "
+                f"forward to repeat. Checkpoint with torch.utils.checkpoint (reentrant or not) "
+                f"or tpfp8.checkpoint") from None
 
     @staticmethod
     def _recompute_frame(repeated) -> Optional[dict]:
