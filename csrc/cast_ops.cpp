@@ -44,16 +44,36 @@ CastParams cast_params(const at::Tensor& input, const at::Tensor& scale, int64_t
   return p;
 }
 
+// Runs the cast p describes, also writing the column sums of the input into `dbias` ([cols],
+// float32 or converted to its bfloat16 / float16) when given.
+void run_with_dbias(CastParams& p, const at::Tensor& input, const OptTensor& dbias) {
+  at::Tensor sum, partial;
+  if (dbias) {
+    high_precision_dtype(*dbias, "dbias");
+    check_output(*dbias, "dbias", {p.cols}, dbias->scalar_type(), input);
+    sum = dbias->scalar_type() == at::kFloat
+              ? *dbias
+              : at::empty({p.cols}, dbias->options().dtype(at::kFloat));
+    p.dbias = sum.data_ptr<float>();
+    // The GPU's workspace; the CPU reference keeps its own.
+    if (!input.is_cpu()) partial = at::empty({dbias_tiles(p.rows), p.cols}, sum.options());
+    p.dbias_partial = partial.defined() ? partial.data_ptr<float>() : nullptr;
+  }
+  run_on_device(
+      input, [&] { cast_cpu(p); }, [&](cudaStream_t s) { return cast_transpose_cuda(p, s); });
+  if (dbias && !sum.is_same(*dbias)) dbias->copy_(sum);
+}
+
 // (p's scale or scale_amax, and amax, are set by the caller.)
 void run_cast_transpose(CastParams& p, const at::Tensor& input, const OptTensor& rowwise,
-                        const OptTensor& columnwise, const OptTensor& scale_inv) {
+                        const OptTensor& columnwise, const OptTensor& scale_inv,
+                        const OptTensor& dbias) {
   TORCH_CHECK(rowwise.has_value() || columnwise.has_value(),
               "cast_transpose needs at least one of rowwise / columnwise outputs");
   p.rowwise = optional_fp8_out(rowwise, "rowwise", {p.rows, p.cols}, input);
   p.columnwise = optional_fp8_out(columnwise, "columnwise", {p.cols, p.rows}, input);
   p.scale_inv = optional_f32(scale_inv, "scale_inv", input);
-  run_on_device(
-      input, [&] { cast_cpu(p); }, [&](cudaStream_t s) { return cast_transpose_cuda(p, s); });
+  run_with_dbias(p, input, dbias);
 }
 
 }  // namespace
@@ -70,31 +90,37 @@ void quantize(const at::Tensor& input, const at::Tensor& scale, at::Tensor& out,
 
 void cast_transpose(const at::Tensor& input, const at::Tensor& scale, const OptTensor& rowwise,
                     const OptTensor& columnwise, const OptTensor& amax, const OptTensor& scale_inv,
-                    int64_t fp8_format) {
+                    int64_t fp8_format, const OptTensor& dbias) {
   CastParams p = cast_params(input, scale, fp8_format);
   p.amax = optional_f32(amax, "amax", input);
-  run_cast_transpose(p, input, rowwise, columnwise, scale_inv);
+  run_cast_transpose(p, input, rowwise, columnwise, scale_inv, dbias);
 }
 
 void cast_transpose_slots(const at::Tensor& input, const at::Tensor& scale, int64_t scale_index,
                           const OptTensor& rowwise, const OptTensor& columnwise,
                           const OptTensor& amax, int64_t amax_index, const OptTensor& scale_inv,
-                          int64_t fp8_format) {
+                          int64_t fp8_format, const OptTensor& dbias) {
   CastParams p = cast_params(input, fp8_format);
   p.scale = f32_slot(scale, scale_index, "scale", input);
   p.amax = amax ? f32_slot(*amax, amax_index, "amax", input) : nullptr;
-  run_cast_transpose(p, input, rowwise, columnwise, scale_inv);
+  run_cast_transpose(p, input, rowwise, columnwise, scale_inv, dbias);
 }
 
 void cast_transpose_current(const at::Tensor& input, const at::Tensor& amax, double epsilon,
                             const OptTensor& rowwise, const OptTensor& columnwise,
-                            const OptTensor& scale_inv, int64_t fp8_format) {
+                            const OptTensor& scale_inv, int64_t fp8_format,
+                            const OptTensor& dbias) {
   CastParams p = cast_params(input, fp8_format);
   check_scalar_f32(amax, "amax", input, "input");
   TORCH_CHECK(epsilon >= 0.0, "epsilon must be >= 0, got ", epsilon);
   p.scale_amax = amax.data_ptr<float>();
   p.epsilon = static_cast<float>(epsilon);
-  run_cast_transpose(p, input, rowwise, columnwise, scale_inv);
+  run_cast_transpose(p, input, rowwise, columnwise, scale_inv, dbias);
+}
+
+void column_sum(const at::Tensor& input, at::Tensor& out) {
+  CastParams p = cast_params(input, 0);  // no FP8 output: only the sums' pass
+  run_with_dbias(p, input, out);
 }
 
 void transpose_fp8(const at::Tensor& input, at::Tensor& out) {
@@ -237,10 +263,11 @@ TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
       "Tensor(c!)? scale_inv, int fp8_format) -> ()");
   m.def(
       "cast_transpose(Tensor input, Tensor scale, Tensor(a!)? rowwise, Tensor(b!)? columnwise, "
-      "Tensor(c!)? amax, Tensor(d!)? scale_inv, int fp8_format) -> ()");
+      "Tensor(c!)? amax, Tensor(d!)? scale_inv, int fp8_format, Tensor(e!)? dbias=None) -> ()");
   m.def(
       "cast_transpose_current(Tensor input, Tensor amax, float epsilon, Tensor(a!)? rowwise, "
-      "Tensor(b!)? columnwise, Tensor(c!)? scale_inv, int fp8_format) -> ()");
+      "Tensor(b!)? columnwise, Tensor(c!)? scale_inv, int fp8_format, Tensor(d!)? dbias=None) "
+      "-> ()");
   m.def("transpose_fp8(Tensor input, Tensor(a!) out) -> ()");
   m.def("dequantize(Tensor input, Tensor scale_inv, int fp8_format, Tensor(a!) out) -> ()");
   m.def("amax(Tensor input, Tensor(a!) amax) -> ()");

@@ -59,9 +59,10 @@ DebugQuantizer::DebugQuantizer(std::unique_ptr<Quantizer> parent, Role role, Deb
       options_(std::move(options)) {}
 
 Fp8Tensor DebugQuantizer::quantize(const at::Tensor& x, bool rowwise, bool columnwise,
-                                   const Fp8Tensor* into, const ProcessGroupPtr& split_over) const {
+                                   const Fp8Tensor* into, const ProcessGroupPtr& split_over,
+                                   const OptTensor& dbias) const {
   TORCH_CHECK(parent_, "a high-precision tensor is not quantized");
-  return parent_->quantize(x, rowwise, columnwise, into, split_over);
+  return parent_->quantize(x, rowwise, columnwise, into, split_over, dbias);
 }
 
 bool DebugQuantizer::needs_high_precision(Gemm gemm) const {

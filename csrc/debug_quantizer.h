@@ -48,8 +48,8 @@ class DebugQuantizer final : public Quantizer {
   // `parent`: the tensor's quantizer, null in high precision.
   DebugQuantizer(std::unique_ptr<Quantizer> parent, Role role, DebugOptions options);
   Fp8Tensor quantize(const at::Tensor& x, bool rowwise, bool columnwise,
-                     const Fp8Tensor* into = nullptr,
-                     const ProcessGroupPtr& split_over = {}) const override;
+                     const Fp8Tensor* into = nullptr, const ProcessGroupPtr& split_over = {},
+                     const OptTensor& dbias = std::nullopt) const override;
   bool quantizes_after_gather() const override { return true; }
   bool needs_high_precision(Gemm gemm) const override;
   Operand operand(Gemm gemm, const Prepared& t, bool columnwise, bool high_precision,

@@ -237,17 +237,25 @@ Prepared prepare_input(const at::Tensor& x2, const LinearConfig& c, const Quanti
   return in;
 }
 
-// 2. The gradient: quantized by `q`, and gathered along rows under row-parallel SP.
+// 2. The gradient: quantized by `q`, and gathered along rows under row-parallel SP. With `db`,
+//    the column sums of this rank's dy (float32) come out of the cast's own read of dy; left
+//    undefined where dy has no FP8 cast.
 Prepared prepare_grad(const at::Tensor& dy, const LinearConfig& c, const Quantizer* q,
-                      bool need_dgrad, bool need_wgrad) {
+                      bool need_dgrad, bool need_wgrad, at::Tensor* db) {
   const bool gather = gathers_grad(c);
   if (!c.fp8()) return {gather ? all_gather_rows(dy, *c.tp_group) : dy, {}};
-  if (!gather || q->quantizes_after_gather()) {
-    // Whole (replicated, this rank's own, or gathered first): its local amax is the global.
-    const at::Tensor total = gather ? all_gather_rows(dy, *c.tp_group) : dy;
+  OptTensor sum;
+  if (db) sum = *db = at::empty({dy.size(1)}, dy.options().dtype(at::kFloat));
+  if (!gather) return {dy, q->quantize(dy, need_dgrad, need_wgrad, nullptr, {}, sum)};
+  if (q->quantizes_after_gather()) {
+    // The gathered tensor's cast would sum every rank's rows; this rank's rows alone, by the
+    // same kernel, keep db as the fast path makes it (debugging changes no result).
+    if (sum) column_sum(dy, *sum);
+    // Whole (gathered first): its local amax is the global.
+    const at::Tensor total = all_gather_rows(dy, *c.tp_group);
     return {total, q->quantize(total, need_dgrad, need_wgrad)};
   }
-  Fp8Tensor g = all_gather_fp8(dy, *q, c.tp_group);
+  Fp8Tensor g = all_gather_fp8(dy, *q, c.tp_group, nullptr, sum);
   if (need_wgrad) {
     g.columnwise = at::empty({g.rowwise.size(1), g.rowwise.size(0)}, g.rowwise.options());
     transpose_fp8(g.rowwise, g.columnwise);
@@ -342,8 +350,11 @@ Grads linear_backward(const at::Tensor& dy_in, const SavedForBackward& s, const 
   if (need_wgrad && gathers_input(c) && (saves_hp_input(c) || keeps_local_fp8_input(c))) {
     x_gathered = all_gather_rows(saves_hp_input(c) ? x_saved : s.x_fp8, *c.tp_group, &x_work);
   }
-  // 2. The gradient: quantized, and gathered along rows under row-parallel SP.
-  const Prepared g = prepare_grad(dy, c, gq.get(), need_dgrad, need_wgrad);
+  // 2. The gradient: quantized, and gathered along rows under row-parallel SP; db's local sum
+  //    from the same cast.
+  at::Tensor db;
+  const Prepared g =
+      prepare_grad(dy, c, gq.get(), need_dgrad, need_wgrad, bias_dtype ? &db : nullptr);
   // 3. dgrad, then (column parallel) its reduction, in flight during wgrad.
   Grads out;
   WorkPtr dx_work;
@@ -377,11 +388,12 @@ Grads linear_backward(const at::Tensor& dy_in, const SavedForBackward& s, const 
   }
   wait(dx_work);
   if (out.dx.defined()) out.dx = shaped(out.dx, s.x_shape);
-  // 5. db: the local sum; under row-parallel SP each rank holds part of the rows of dy.
+  // 5. db: the local sum (step 2's, or here where dy had no FP8 cast); under row-parallel SP
+  //    each rank holds part of the rows of dy.
   if (bias_dtype) {
-    out.db = dy.sum(0, false, at::kFloat);
-    if (gathers_grad(c)) all_reduce(out.db, *c.tp_group, c10d::ReduceOp::SUM);
-    out.db = out.db.to(*bias_dtype);
+    if (!db.defined()) db = dy.sum(0, false, at::kFloat);
+    if (gathers_grad(c)) all_reduce(db, *c.tp_group, c10d::ReduceOp::SUM);
+    out.db = db.to(*bias_dtype);
   }
   for (at::Tensor* t : {&out.dx, &out.dw, &out.db}) {  // (as forward's: ops return tensors)
     if (!t->defined()) *t = nothing(dy, dy.scalar_type());
@@ -407,8 +419,9 @@ void update_layers(const std::vector<at::Tensor>& scales, const std::vector<at::
 }
 
 Fp8Tensor all_gather_fp8(const at::Tensor& local, const Quantizer& quantizer,
-                         const ProcessGroupPtr& group, Fp8Tensor* local_out) {
-  Fp8Tensor q = quantizer.quantize(local.contiguous(), true, false, nullptr, group);
+                         const ProcessGroupPtr& group, Fp8Tensor* local_out,
+                         const OptTensor& dbias) {
+  Fp8Tensor q = quantizer.quantize(local.contiguous(), true, false, nullptr, group, dbias);
   if (local_out) *local_out = q;
   q.rowwise = all_gather_rows(q.rowwise, *group);  // FP8 bytes: half of bf16's traffic
   return q;

@@ -9,7 +9,8 @@
 //   backward  quantize dy [M, N] (row-wise for dgrad, column-wise for wgrad)
 //             dgrad  dx = dy . W                 GEMM(dy row-wise, W column-wise)
 //             wgrad  dW = dy^T . x2               GEMM(dy column-wise, x column-wise) ->
-//             W.main_grad or dW db = sum over M of dy
+//             W.main_grad or dW
+//             db = sum over M of dy              (fused into dy's cast where dy has one)
 //
 // Forward returns what backward needs: the column-wise FP8 input (1 byte per element) and the
 // column-wise FP8 weight; with save_original_input (or debugging) the caller keeps the
@@ -128,8 +129,9 @@ Grads linear_backward(const at::Tensor& dy, const SavedForBackward& saved, const
 // Sequence-parallel gather in FP8: quantize this rank's rows [m, K] with the whole tensor's
 // scale (Quantizer::quantize's split_over), then
 // all-gather the row-wise bytes into [world * m, K] sharing one scale_inv. `local_out`, if
-// given, receives this rank's quantized rows.
+// given, receives this rank's quantized rows; `dbias` (float32 [K]), the column sums of them.
 Fp8Tensor all_gather_fp8(const at::Tensor& local, const Quantizer& quantizer,
-                         const ProcessGroupPtr& group, Fp8Tensor* local_out = nullptr);
+                         const ProcessGroupPtr& group, Fp8Tensor* local_out = nullptr,
+                         const OptTensor& dbias = std::nullopt);
 
 }  // namespace tpfp8

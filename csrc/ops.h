@@ -15,21 +15,26 @@ using OptTensor = std::optional<at::Tensor>;
 // input [M, K] fp32/bf16/fp16 -> out [M, K] uint8; amax folded, scale_inv = 1/scale written.
 void quantize(const at::Tensor& input, const at::Tensor& scale, at::Tensor& out,
               const OptTensor& amax, const OptTensor& scale_inv, int64_t fp8_format);
-// One read of input: rowwise [M, K] and/or columnwise [K, M].
+// One read of input: rowwise [M, K] and/or columnwise [K, M]; with `dbias` [K] (float32, or
+// bfloat16 / float16 converted from float32) also the column sums over M -- the bias gradient
+// of a gradient -- in a fixed order (kernels/cast.h): the same bytes every run, GPU or CPU.
 void cast_transpose(const at::Tensor& input, const at::Tensor& scale, const OptTensor& rowwise,
                     const OptTensor& columnwise, const OptTensor& amax, const OptTensor& scale_inv,
-                    int64_t fp8_format);
+                    int64_t fp8_format, const OptTensor& dbias = std::nullopt);
 // cast_transpose with the scale and the amax as slots of a layer's state: scale[scale_index],
 // amax[amax_index] of contiguous float32 tensors (the Linear's casts: no views to make).
 void cast_transpose_slots(const at::Tensor& input, const at::Tensor& scale, int64_t scale_index,
                           const OptTensor& rowwise, const OptTensor& columnwise,
                           const OptTensor& amax, int64_t amax_index, const OptTensor& scale_inv,
-                          int64_t fp8_format);
+                          int64_t fp8_format, const OptTensor& dbias = std::nullopt);
 // cast_transpose with current scaling: the kernel computes the scale from `amax` (already
 // reduced over any group): fp8_max / max(amax, epsilon), 1 for an amax of 0, inf or NaN.
 void cast_transpose_current(const at::Tensor& input, const at::Tensor& amax, double epsilon,
                             const OptTensor& rowwise, const OptTensor& columnwise,
-                            const OptTensor& scale_inv, int64_t fp8_format);
+                            const OptTensor& scale_inv, int64_t fp8_format,
+                            const OptTensor& dbias = std::nullopt);
+// cast_transpose's dbias alone: out [K] = the column sums of input [M, K], same bytes.
+void column_sum(const at::Tensor& input, at::Tensor& out);
 void transpose_fp8(const at::Tensor& input, at::Tensor& out);
 void dequantize(const at::Tensor& input, const at::Tensor& scale_inv, int64_t fp8_format,
                 at::Tensor& out);

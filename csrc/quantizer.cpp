@@ -71,20 +71,22 @@ Fp8Tensor Quantizer::outputs(const at::Tensor& x, bool rowwise, bool columnwise,
 
 Fp8Tensor DelayedScalingQuantizer::quantize(const at::Tensor& x, bool rowwise, bool columnwise,
                                             const Fp8Tensor* into,
-                                            const ProcessGroupPtr& /*split_over*/) const {
+                                            const ProcessGroupPtr& /*split_over*/,
+                                            const OptTensor& dbias) const {
   Fp8Tensor out = outputs(x, rowwise, columnwise, into);
   // The history is tensor-major: this tensor's newest amax is the first of its row.
   const int64_t amax_index =
       (role_ == kGrad ? 0 : role_) * (history_.defined() ? history_.size(1) : 0);
   cast_transpose_slots(x, scale_, role_, optional(out.rowwise, rowwise),
                        optional(out.columnwise, columnwise), optional(history_), amax_index,
-                       out.scale_inv, static_cast<int64_t>(format()));
+                       out.scale_inv, static_cast<int64_t>(format()), dbias);
   return out;
 }
 
 Fp8Tensor CurrentScalingQuantizer::quantize(const at::Tensor& x, bool rowwise, bool columnwise,
                                             const Fp8Tensor* into,
-                                            const ProcessGroupPtr& split_over) const {
+                                            const ProcessGroupPtr& split_over,
+                                            const OptTensor& dbias) const {
   Fp8Tensor out = outputs(x, rowwise, columnwise, into);
   at::Tensor a = at::empty({1}, x.options().dtype(at::kFloat));
   zero_bytes(a);
@@ -96,9 +98,12 @@ Fp8Tensor CurrentScalingQuantizer::quantize(const at::Tensor& x, bool rowwise, b
     a.nan_to_num_(inf, inf, inf);
     all_reduce(a, *split_over, c10d::ReduceOp::MAX);
   }
+  // dbias rides on the cast pass, not the amax pass: the cast is the tiled kernel whose fixed
+  // order of additions delayed scaling shares (one kernel, one CPU reference), while the amax
+  // is a flat sweep with no column structure. Both read x; the cast mostly from L2.
   cast_transpose_current(x, a, epsilon_, optional(out.rowwise, rowwise),
                          optional(out.columnwise, columnwise), out.scale_inv,
-                         static_cast<int64_t>(format()));
+                         static_cast<int64_t>(format()), dbias);
   return out;
 }
 

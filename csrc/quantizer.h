@@ -61,10 +61,13 @@ class Quantizer {
   // Quantizes a 2-D contiguous tensor. The outputs are fresh tensors unless `into` provides
   // buffers of the right shapes (the weight cache), which are then written in place. With
   // `split_over`, x is this rank's rows of a tensor split across that group and the scale is
-  // the whole tensor's on every rank (they gather each other's codes).
+  // the whole tensor's on every rank (they gather each other's codes). With `dbias` (float32
+  // [cols]), the cast also writes the column sums of x -- of this rank's rows only -- the
+  // bias gradient of an output gradient, in the cast kernel's fixed order (deterministic).
   virtual Fp8Tensor quantize(const at::Tensor& x, bool rowwise, bool columnwise,
                              const Fp8Tensor* into = nullptr,
-                             const ProcessGroupPtr& split_over = {}) const = 0;
+                             const ProcessGroupPtr& split_over = {},
+                             const OptTensor& dbias = std::nullopt) const = 0;
   // Whether a tensor split across ranks is gathered in high precision and quantized whole
   // (what debugging needs: statistics of the tensor the GEMMs see), instead of quantized per
   // rank and gathered as FP8 bytes.
@@ -106,8 +109,8 @@ class DelayedScalingQuantizer final : public Quantizer {
         history_(role == kGrad ? state.grad_amax_history : state.amax_history),
         role_(role) {}
   Fp8Tensor quantize(const at::Tensor& x, bool rowwise, bool columnwise,
-                     const Fp8Tensor* into = nullptr,
-                     const ProcessGroupPtr& split_over = {}) const override;
+                     const Fp8Tensor* into = nullptr, const ProcessGroupPtr& split_over = {},
+                     const OptTensor& dbias = std::nullopt) const override;
 
  private:
   at::Tensor scale_, history_;  // the layer's [3] and [2 or 1, H]
@@ -122,8 +125,8 @@ class CurrentScalingQuantizer final : public Quantizer {
   CurrentScalingQuantizer(Fp8Format format, double epsilon)
       : Quantizer(format), epsilon_(epsilon) {}
   Fp8Tensor quantize(const at::Tensor& x, bool rowwise, bool columnwise,
-                     const Fp8Tensor* into = nullptr,
-                     const ProcessGroupPtr& split_over = {}) const override;
+                     const Fp8Tensor* into = nullptr, const ProcessGroupPtr& split_over = {},
+                     const OptTensor& dbias = std::nullopt) const override;
 
  private:
   double epsilon_;

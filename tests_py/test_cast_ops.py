@@ -19,8 +19,9 @@ def sample(shape, dtype, seed=0):
     x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-12, 12, shape, generator=g))
     flat = x.view(-1)
     specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, 600.0])
-    idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 50),), generator=g)
-    flat[idx] = specials[torch.arange(idx.numel()) % specials.numel()]
+    if flat.numel():
+        idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 50),), generator=g)
+        flat[idx] = specials[torch.arange(idx.numel()) % specials.numel()]
     return x.to(dtype)
 
 
@@ -126,6 +127,78 @@ def test_cast_transpose_current_cpu_matches_oracle(dtype, fmt, amax):
     assert q.scale_inv.item() == np.float32(1.0) / scale
 
 
+# ---- dbias: the column sums of a cast, in the fixed order of kernels/cast.h -----------------
+
+DBIAS_SHAPES = [(0, 16), (1, 1), (17, 33), (127, 129), (128, 64), (300, 70), (1157, 24)]
+
+
+def oracle_dbias(x):
+    """cast.h's order of additions written in NumPy float32: rows of tile t are
+    128 t + 16 p + q; lane sums over p, pair sums of lanes, tile sums, then 8 groups of tiles.
+    (Zero rows padding the last tile change no sum: no running sum is ever -0.)"""
+    v = x.float().numpy()
+    rows, cols = v.shape
+    tiles = -(-rows // 128)
+    padded = np.zeros((tiles * 128, cols), np.float32)
+    padded[:rows] = v
+    by_lane = padded.reshape(tiles, 8, 16, cols)
+    with np.errstate(invalid="ignore", over="ignore"):
+        lanes = np.zeros((tiles, 16, cols), np.float32)
+        for p in range(8):
+            lanes += by_lane[:, p]
+        partial = np.zeros((tiles, cols), np.float32)
+        for w in range(8):
+            partial += lanes[:, 2 * w] + lanes[:, 2 * w + 1]
+        out = np.zeros(cols, np.float32)
+        for j in range(8):
+            group = np.zeros(cols, np.float32)
+            for t in range(j, tiles, 8):
+                group += partial[t]
+            out += group
+    out[np.isnan(out)] = np.float32("nan")  # the canonical quiet NaN
+    return torch.from_numpy(out)
+
+
+def finite_sample(shape, dtype, seed):
+    x = sample(shape, dtype, seed)
+    x[~torch.isfinite(x)] = 1.0
+    return x
+
+
+@pytest.mark.parametrize("shape", DBIAS_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dbias_cpu_is_the_fixed_order_column_sum(shape, dtype):
+    x = finite_sample(shape, dtype, seed=shape[0] + 7 * shape[1])
+    db = torch.full((shape[1],), -1.0)
+    q = ops.cast_transpose(x, torch.tensor([0.5]), "e5m2", dbias=db)
+    assert torch.equal(db.view(torch.int32), oracle_dbias(x).view(torch.int32))
+    exact = x.double().sum(0)
+    depth = 8 + 1 + 8 + (-(-shape[0] // 128) + 7) // 8 + 8 + 1  # additions per element, at most
+    assert torch.all((db.double() - exact).abs() <= depth * 2.0 ** -24 * x.double().abs().sum(0))
+    plain = ops.cast_transpose(x, torch.tensor([0.5]), "e5m2")
+    for a, b in zip(q, plain):
+        assert torch.equal(a, b)  # the sums change nothing else
+    # Current scaling sums the same way; bf16 / fp16 outputs are the fp32 sums rounded.
+    for out_dtype in DTYPES:
+        db2 = torch.empty(shape[1], dtype=out_dtype)
+        ops.cast_transpose_current(x, ops.amax(x), "e4m3", dbias=db2)
+        assert torch.equal(db2, db.to(out_dtype))
+
+
+def test_dbias_cpu_specials():
+    x = finite_sample((300, 8), torch.float32, seed=2)
+    x[17, 0] = float("inf")
+    x[18, 1], x[290, 1] = float("inf"), -float("inf")  # inf - inf in the tile reduction
+    x[5, 2] = float("nan")
+    x[:, 3] = -0.0
+    db = torch.empty(8)
+    ops.cast_transpose(x, torch.ones(1), "e4m3", dbias=db)
+    assert db[0] == float("inf")
+    assert db.view(torch.int32)[1:3].tolist() == [0x7FC00000] * 2
+    assert db.view(torch.int32)[3] == 0
+    assert torch.equal(db.view(torch.int32), oracle_dbias(x).view(torch.int32))
+
+
 def many_state(n_modules, per_module, history_len, seed):
     g = torch.Generator().manual_seed(seed)
     hist = [torch.rand(per_module, history_len, generator=g) * 10 for _ in range(n_modules)]
@@ -176,6 +249,11 @@ ERRORS = [
     (lambda: ops.cast_transpose_current(torch.zeros(4, 4), torch.ones(2)), "one-element float32"),
     (lambda: ops.cast_transpose_current(torch.zeros(4, 4), torch.ones(1), epsilon=-1.0),
      "epsilon must be >= 0"),
+    (lambda: ops.cast_transpose(torch.zeros(4, 6), torch.ones(1), dbias=torch.empty(4)),
+     "dbias must be Float of shape \\[6\\]"),
+    (lambda: ops.cast_transpose_current(torch.zeros(4, 6), torch.ones(1),
+                                        dbias=torch.empty(6, dtype=torch.int32)),
+     "dbias must be float32, bfloat16 or float16"),
     (lambda: ops.delayed_scaling_update_many([torch.zeros(2, 4), torch.zeros(1, 4)],
                                              [torch.ones(3), torch.ones(3)],
                                              [torch.ones(3), torch.ones(3)], [448.0] * 3,
@@ -266,6 +344,27 @@ def test_gpu_cast_transpose_current_equals_cpu_bytes(dtype, fmt):
 
 
 @requires_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_dbias_equals_cpu_bytes(dtype):
+    """The fused column sums: the CPU op's bytes, the same every run, with either scaling and
+    any choice of FP8 outputs (vector and element-wise paths, ragged and empty shapes)."""
+    for shape in GPU_SHAPES + DBIAS_SHAPES:
+        for x in (sample(shape, dtype, seed=shape[1]), finite_sample(shape, dtype, seed=3)):
+            want = torch.empty(shape[1])
+            ops.cast_transpose(x, torch.tensor([1.37]), "e5m2", dbias=want)
+            xg, scale = x.cuda(), torch.tensor([1.37], device="cuda")
+            for rowwise, columnwise in ((True, True), (True, False), (False, True)):
+                for _ in range(2):
+                    got = torch.empty(shape[1], device="cuda")
+                    ops.cast_transpose(xg, scale, "e5m2", rowwise=rowwise,
+                                       columnwise=columnwise, dbias=got)
+                    assert_same_bytes(got, want)
+            got = torch.empty(shape[1], device="cuda", dtype=torch.bfloat16)
+            ops.cast_transpose_current(xg, ops.amax(xg), "e4m3", dbias=got)
+            assert_same_bytes(got, want.bfloat16())
+
+
+@requires_gpu
 def test_gpu_delayed_scaling_update_many_equals_cpu():
     hist, scales, scale_invs = many_state(70, 2, 1024, seed=4)
     gpu = [[t.cuda() for t in ts] for ts in (hist, scales, scale_invs)]
@@ -306,6 +405,12 @@ def _opcheck_cases():
         (torch.ops.tpfp8.cast_transpose_current.default,
          (x, one(3.0), 0.0, torch.empty(16, 32, dtype=torch.uint8),
           torch.empty(32, 16, dtype=torch.uint8), one(), 0)),
+        (torch.ops.tpfp8.cast_transpose.default,
+         (x, one(2.0), None, torch.empty(32, 16, dtype=torch.uint8), one(), one(), 1,
+          torch.empty(32))),
+        (torch.ops.tpfp8.cast_transpose_current.default,
+         (x, one(3.0), 0.0, torch.empty(16, 32, dtype=torch.uint8), None, one(), 0,
+          torch.empty(32, dtype=torch.bfloat16))),
         (torch.ops.tpfp8.transpose_fp8.default, (codes, torch.empty(32, 16, dtype=torch.uint8))),
         (torch.ops.tpfp8.dequantize.default, (codes, one(0.5), 0, torch.empty(16, 32))),
         (torch.ops.tpfp8.amax.default, (x, one())),

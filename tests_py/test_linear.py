@@ -170,6 +170,19 @@ def test_save_original_input_is_bit_identical_with_current_scaling():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("recipe", [tpfp8.DelayedScaling(), tpfp8.CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_fp8_bias_grad_is_the_column_sum_fused_into_the_gradient_cast(device, recipe):
+    """In FP8, db comes out of dy's cast: its fixed-order column sums, the same bytes on every
+    run and device (the CPU op's)."""
+    lin = make(seed=21)[0].to(device)
+    x, dy = torch.randn(3, 50, 32), torch.randn(3, 50, 48)
+    got = run(lin, x.to(device), dy.to(device), tpfp8.fp8_autocast(recipe=recipe))[3]
+    want = torch.empty(48)
+    tpfp8.ops.cast_transpose(dy.reshape(-1, 48), torch.ones(1), "e5m2", dbias=want)
+    assert torch.equal(got.cpu(), want)
+
+
 def test_wgrad_pads_token_count_internally():
     lin, _ = make(seed=8)
     x, dy = torch.randn(13, 32), torch.randn(13, 48)  # 13 tokens: not a multiple of 16

@@ -33,6 +33,10 @@ def samples(device):
         "quantize": (x, f32(2.0), u8(32, 64), f32(0.0), f32(0.0), 0),
         "cast_transpose": (x, f32(2.0), u8(32, 64), u8(64, 32), f32(0.0), f32(0.0), 1),
         "cast_transpose_current": (x, amax, 0.0, u8(32, 64), u8(64, 32), f32(0.0), 0),
+        "cast_transpose dbias": (x, f32(2.0), None, u8(64, 32), f32(0.0), f32(0.0), 1,
+                                 torch.empty(64, device=device)),
+        "cast_transpose_current dbias": (x, amax, 0.0, u8(32, 64), None, f32(0.0), 0,
+                                         torch.empty(64, dtype=torch.bfloat16, device=device)),
         "transpose_fp8": (codes, u8(64, 32)),
         "dequantize": (codes, f32(0.5), 0, torch.empty(32, 64, device=device)),
         "amax": (x, f32(0.0)),
@@ -40,6 +44,9 @@ def samples(device):
         "delayed_scaling_update_many": (
             [history.t().contiguous()], [f32(1, 1, 1)], [f32(1, 1, 1)], [448.0, 57344.0, 448.0],
             1, False),
+        "delayed_scaling_update_many slots": (
+            [history.t()[:2].contiguous(), history.t()[2:].contiguous()], [f32(1, 1, 1)] * 2,
+            [f32(1, 1, 1)] * 2, [448.0, 57344.0, 448.0], 0, True, [0, 2]),
         "gemm": (a, b, torch.empty(16, 32, dtype=torch.bfloat16, device=device), f32(0.5),
                  f32(0.25), e4m3, e4m3, torch.randn(32, device=device).bfloat16(), False, True,
                  False, False),

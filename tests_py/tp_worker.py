@@ -323,6 +323,30 @@ def check_quantize_after_gather(group):
             assert torch.equal(a, b), f"quantize-after-gather differs (save={save_orig})"
 
 
+def check_debug_keeps_bias_grad(group):
+    """Debugging changes no result, db included: under row-parallel SP the debugged layer
+    gathers dy in high precision and casts the whole tensor, yet its db is still this rank's
+    rows summed by the kernel that fuses the sum into the fast path's cast, then all-reduced."""
+    global checks
+    for mode, sp in itertools.product(("column", "row"), (False, True)):
+        results = []
+        for debugged in (False, True):
+            if debugged:
+                tpfp8.debug.initialize([{"layers": "biased", "features": {}}])
+            torch.manual_seed(10)
+            layer = tpfp8.Linear(K, N, parallel_mode=mode, tp_group=group, sequence_parallel=sp,
+                                 device=DEVICE, name="biased")
+            torch.manual_seed(11)
+            full_x = torch.randn(S, B, K, device=DEVICE)
+            full_dy = torch.randn(S, B, N, device=DEVICE) * 1e-2
+            got = step_tp(layer, mode, sp, group, full_x, full_dy, tpfp8.CurrentScaling())
+            tpfp8.debug.shutdown()
+            results.append((*got, full_of(layer.bias.grad, mode, sp, group, "db")))
+        for key, a, b in zip(("y", "dx", "dw", "db"), *results):
+            checks += 1
+            assert torch.equal(a, b), f"debugging changed {key} ({mode}, sp={sp})"
+
+
 def check_deepcopy(group):
     """copy.deepcopy of a tensor-parallel layer after FP8 steps: the copy shares the process
     groups (a ProcessGroup cannot be copied), keeps the weight's tensor-parallel attributes,
@@ -617,6 +641,7 @@ def _cases():
     """Every check of a run, in the order the ranks run them: (name, function of the group)."""
     cases = [(fn.__name__.removeprefix("check_"), fn) for fn in (
         check_errors, check_fp8_gather, check_quantize_after_gather, check_debug_seed_case,
+        check_debug_keeps_bias_grad,
         check_debug_disable_fp8_gemm, check_deepcopy, check_checkpoint, check_nan_step,
         check_sharded_records_identical, check_double_backward_refused,
         check_compiled_matches_eager, check_ddp_casts_with_rank0_state)]

@@ -67,26 +67,34 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, fp8_format="e4m3", *,
 def cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_format="e4m3", *,
                    rowwise: bool = True, columnwise: bool = True,
                    amax: Optional[torch.Tensor] = None,
-                   scale_inv: Optional[torch.Tensor] = None) -> Quantized:
+                   scale_inv: Optional[torch.Tensor] = None,
+                   dbias: Optional[torch.Tensor] = None) -> Quantized:
     """Casts ``x`` ``[M, K]`` once, writing row-wise ``[M, K]`` and/or column-wise ``[K, M]``
-    codes (the column-wise data is the transpose), folding max|x| into ``amax``."""
+    codes (the column-wise data is the transpose), folding max|x| into ``amax``.
+
+    ``dbias`` (``[K]`` fp32, or bf16/fp16 rounded from fp32), if given, receives the column
+    sums ``x.sum(0)`` -- the bias gradient when x is an output gradient -- from the same read
+    of x, added in an order fixed by the shape: the same bytes every run, on GPU and CPU.
+    """
     fmt = Fp8Format.parse(fp8_format)
     row, col, scale_inv = _cast_outputs(x, rowwise, columnwise, scale_inv)
     amax = _scalar(x) if amax is None else amax
-    _ops.cast_transpose(x, scale, row, col, amax, scale_inv, int(fmt))
+    _ops.cast_transpose(x, scale, row, col, amax, scale_inv, int(fmt), dbias)
     return Quantized(row, col, amax, scale_inv)
 
 
 def cast_transpose_current(x: torch.Tensor, amax: torch.Tensor, fp8_format="e4m3", *,
                            epsilon: float = 0.0, rowwise: bool = True, columnwise: bool = True,
-                           scale_inv: Optional[torch.Tensor] = None) -> Quantized:
+                           scale_inv: Optional[torch.Tensor] = None,
+                           dbias: Optional[torch.Tensor] = None) -> Quantized:
     """Current scaling's cast of ``x`` whose ``amax`` is known (e.g. all-reduced over a
     group): the kernel itself computes ``scale = fp8_max / max(amax, epsilon)`` (1 when amax is
     0, inf or NaN; the fp32 max when the quotient overflows), so no launch sits between the
-    amax and the cast. Outputs as :func:`cast_transpose`; ``amax`` is returned unchanged."""
+    amax and the cast. Outputs (and ``dbias``) as :func:`cast_transpose`; ``amax`` is returned
+    unchanged."""
     fmt = Fp8Format.parse(fp8_format)
     row, col, scale_inv = _cast_outputs(x, rowwise, columnwise, scale_inv)
-    _ops.cast_transpose_current(x, amax, float(epsilon), row, col, scale_inv, int(fmt))
+    _ops.cast_transpose_current(x, amax, float(epsilon), row, col, scale_inv, int(fmt), dbias)
     return Quantized(row, col, amax, scale_inv)
 
 
