@@ -191,3 +191,79 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = None
     _ops.gemm(_as_codes(a), _as_codes(b), out, a_scale_inv, b_scale_inv, a_type, b_type, bias,
               accumulate, fast_accum, a_transposed, b_transposed)
     return out
+
+
+class NormCast(NamedTuple):
+    """Result of a fused norm -> FP8 cast: the normalized output ``[M, H]`` in the input's dtype
+    (or None), its FP8 codes row-wise ``[M, H]`` / column-wise ``[H, M]`` (or None), the fp32
+    amax buffer, ``scale_inv``, and the per-row fp32 ``mean`` (LayerNorm) and ``rstd``."""
+
+    out: Optional[torch.Tensor]
+    rowwise: Optional[torch.Tensor]
+    columnwise: Optional[torch.Tensor]
+    amax: torch.Tensor
+    scale_inv: torch.Tensor
+    mean: Optional[torch.Tensor]
+    rstd: Optional[torch.Tensor]
+
+
+def _norm_outputs(x, rms_norm, out, rowwise, columnwise, stats):
+    rows = x.shape[0] if x.dim() == 2 else 0
+    row, col, scale_inv = _cast_outputs(x, rowwise, columnwise, None)
+
+    def f32(*size):
+        return torch.empty(size, dtype=torch.float32, device=x.device)
+
+    mean = f32(rows) if stats and not rms_norm else None
+    rstd = f32(rows) if stats else None
+    return torch.empty_like(x) if out else None, row, col, scale_inv, mean, rstd
+
+
+def norm_cast(x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor] = None,
+              scale: Optional[torch.Tensor] = None, fp8_format="e4m3", *,
+              rms_norm: bool = False, eps: float = 1e-5, out: bool = True,
+              rowwise: bool = True, columnwise: bool = True, stats: bool = True,
+              amax: Optional[torch.Tensor] = None) -> NormCast:
+    """LayerNorm (``rms_norm=False``) or RMSNorm of ``x`` ``[M, H]`` (fp32/bf16/fp16,
+    ``H % 16 == 0``, ``H <= 16384``) and its FP8 cast with the given ``scale``, in one pass:
+
+      LayerNorm: ``y = (x - mean) * rstd * gamma + beta``, ``rstd = 1 / sqrt(var + eps)``
+      RMSNorm:   ``y = x * rstd * gamma``,                 ``rstd = 1 / sqrt(mean(x^2) + eps)``
+
+    computed in fp32 and rounded to x's dtype; the codes are ``rne(y * scale)`` and max|y| is
+    folded into ``amax`` (a fresh zero buffer if None). ``gamma`` / ``beta`` are ``[H]``;
+    ``out`` / ``rowwise`` / ``columnwise`` / ``stats`` (mean and rstd for backward) choose the
+    outputs. Bit-identical on CPU and GPU."""
+    fmt = Fp8Format.parse(fp8_format)
+    scale = _scalar(x, 1.0) if scale is None else scale
+    y, row, col, scale_inv, mean, rstd = _norm_outputs(x, rms_norm, out, rowwise, columnwise,
+                                                       stats)
+    amax = _scalar(x) if amax is None else amax
+    _ops.norm_cast(x, gamma, beta, bool(rms_norm), float(eps), scale, y, row, col, amax,
+                   scale_inv, mean, rstd, int(fmt))
+    return NormCast(y, row, col, amax, scale_inv, mean, rstd)
+
+
+def norm_cast_current(x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor] = None,
+                      fp8_format="e4m3", *, rms_norm: bool = False, eps: float = 1e-5,
+                      scale_epsilon: float = 0.0, out: bool = True, rowwise: bool = True,
+                      columnwise: bool = True, stats: bool = True) -> NormCast:
+    """:func:`norm_cast` with current scaling: a first pass folds the normalized output's
+    max|y| into a zero ``amax``, the second casts with ``fp8_max / max(amax, scale_epsilon)``
+    (1 when amax is 0, inf or NaN), computed by the kernel itself."""
+    fmt = Fp8Format.parse(fp8_format)
+    y, row, col, scale_inv, mean, rstd = _norm_outputs(x, rms_norm, out, rowwise, columnwise,
+                                                       stats)
+    amax = _scalar(x)
+    _ops.norm_cast_current(x, gamma, beta, bool(rms_norm), float(eps), amax,
+                           float(scale_epsilon), y, row, col, scale_inv, mean, rstd, int(fmt))
+    return NormCast(y, row, col, amax, scale_inv, mean, rstd)
+
+
+def norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: Optional[torch.Tensor],
+                  rstd: torch.Tensor, gamma: torch.Tensor, rms_norm: bool = False):
+    """Backward of :func:`norm_cast`'s norm from its saved ``mean`` (LayerNorm; None for
+    RMSNorm) and ``rstd``: ``(dx [M, H] in x's dtype, dgamma [H], dbeta [H] or None for
+    RMSNorm)`` in gamma's dtype, computed in fp32 (ATen ops for now, no fused kernel)."""
+    dx, dgamma, dbeta = _ops.norm_backward(dy, x, mean, rstd, gamma, bool(rms_norm))
+    return dx, dgamma, None if rms_norm else dbeta
