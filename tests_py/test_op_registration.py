@@ -5,6 +5,8 @@ import pytest
 import torch
 from torch.library import opcheck
 
+from test_activation_ops import activation_op_samples
+
 import tpfp8
 from tpfp8 import ops
 
@@ -47,6 +49,7 @@ def samples(device):
                                                       device=device), None, None, bf16, bf16,
                                 None, False, False, False, False),
         **linear_samples(device, x, f32, u8, g),
+        **activation_op_samples(device),
     }
 
 

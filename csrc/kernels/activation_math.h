@@ -40,7 +40,6 @@ TPFP8_HD float abs_f(float x) { return bits_float(float_bits(x) & 0x7FFFFFFFu); 
 template <int N>
 TPFP8_HD float horner(const float (&c)[N], float u) {
   float p = c[N - 1];
-#pragma unroll
   for (int i = N - 2; i >= 0; --i) p = add_rn(mul_rn(p, u), c[i]);
   return p;
 }
@@ -97,7 +96,6 @@ TPFP8_HD float erfc_large(float a, float gauss) {
   // Coefficients picked per element, not per branch: one polynomial for a warp either way.
   const bool near = a < 2.0f;
   float h = near ? kNear[7] : kFar[7];
-#pragma unroll
   for (int i = 6; i >= 0; --i) h = add_rn(mul_rn(h, t), near ? kNear[i] : kFar[i]);
   return mul_rn(mul_rn(gauss, t), h);
 }
