@@ -42,7 +42,8 @@ show("exp Q(r)", *fit(lambda r: (math.exp(r) - 1 - r) / (r * r) if r else 0.5,
 # erf(a) = a + a P(a^2), 0 <= a < 1 (absolute error of erf(a)/a).
 show("erf P(a^2)", *fit(lambda a: math.erf(a) / a - 1 if a else 2 / math.sqrt(math.pi) - 1,
                         0.0, 1.0, 6, var=lambda x: x * x, relative=False))
-# erfc(a) = exp(-a^2) t H(t), t = 1/a, on [1, 2] and [2, 10.25] (exp(-a^2) underflows past).
-for lo, hi in ((1.0, 2.0), (2.0, 10.25)):
-    show(f"erfc H(1/a), a in [{lo}, {hi}]",
-         *fit(lambda a: math.erfc(a) * math.exp(a * a) * a, lo, hi, 7, var=lambda x: 1 / x))
+# erfc(a) = exp(-a^2) t H(t), t = 1 / (1 + a/2), for a in [0, 10.25] (exp(-a^2) underflows
+# past): one polynomial from 0 on, so GELU's Phi takes no branch.
+show("erfc H(t), t = 1 / (1 + a/2)",
+     *fit(lambda a: math.erfc(a) * math.exp(a * a) * (1 + a / 2), 0.0, 10.25, 10,
+          var=lambda x: 1 / (1 + x / 2)))

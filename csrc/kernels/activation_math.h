@@ -85,55 +85,43 @@ TPFP8_HD float erf_small(float a) {
   return add_rn(a, mul_rn(a, horner(kP, mul_rn(a, a))));
 }
 
-// erfc(a) for a >= 1, given gauss = e^(-a^2): gauss * t * H(t), t = 1/a, with H smooth on
-// t in (0, 1] (H -> 1/sqrt(pi) as a grows). Relative accuracy, so the tail stays accurate.
-TPFP8_HD float erfc_large(float a, float gauss) {
-  constexpr float kNear[] = {0.56123668f,   0.0360452347f, -0.469919771f,   0.521988571f,
-                             -0.302311182f, 0.0885538086f, -0.00600093557f, -0.00200886279f};
-  constexpr float kFar[] = {0.564200938f, -0.000439443596f, -0.274954855f, -0.0636502802f,
-                            0.761834741f, -1.07313538f,     0.691296279f,  -0.176071733f};
-  const float t = div_rn(1.0f, a);
-  // Coefficients picked per element, not per branch: one polynomial for a warp either way.
-  const bool near = a < 2.0f;
-  float h = near ? kNear[7] : kFar[7];
-  for (int i = 6; i >= 0; --i) h = add_rn(mul_rn(h, t), near ? kNear[i] : kFar[i]);
-  return mul_rn(mul_rn(gauss, t), h);
+// erfc(a) for a >= 0, given gauss = e^(-a^2): gauss * t * H(t) with t = 1 / (1 + a/2) in
+// (0, 1] and H smooth there (H(1) = 1/2, H -> 1/(2 sqrt(pi)) as a grows). Relative accuracy
+// over the whole range, so the tail stays accurate, and one polynomial: no branch.
+TPFP8_HD float erfc_from_gauss(float a, float gauss) {
+  constexpr float kH[] = {0.282088637f,  0.282249659f,  0.245206669f,   0.185438529f,
+                          0.0554381385f, 0.0340823717f, -0.0198658574f, -0.291789681f,
+                          0.382886827f,  -0.191597477f, 0.035862159f};
+  const float t = div_rn(1.0f, add_rn(1.0f, mul_rn(0.5f, a)));
+  return mul_rn(mul_rn(gauss, t), horner(kH, t));
 }
 
 TPFP8_HD float erf_fp32(float x) {
   if (!(x == x)) return x;
   const float a = abs_f(x);
-  const float r = a < 1.0f ? erf_small(a) : sub_rn(1.0f, erfc_large(a, exp_neg_square(a, 1.0f)));
+  const float r =
+      a < 1.0f ? erf_small(a) : sub_rn(1.0f, erfc_from_gauss(a, exp_neg_square(a, 1.0f)));
   return bits_float(float_bits(r) | (float_bits(x) & 0x80000000u));
 }
 
 constexpr float kSqrtHalf = 0.707106769f;    // 1 / sqrt(2)
 constexpr float kInvSqrt2Pi = 0.398942292f;  // 1 / sqrt(2 pi)
 
-// Phi(x), the standard normal CDF, given z = x / sqrt(2), a = |z| and gauss = e^(-x^2/2) (read
-// only for a >= 1). Below -sqrt(2) it is erfc(a) / 2 directly: torch's 0.5 (1 + erf(z))
-// cancels there, and GELU's negative tail would keep only a few bits.
-TPFP8_HD float normal_cdf(float z, float a, float gauss) {
-  if (a < 1.0f) {
-    const float e = erf_small(a);
-    return mul_rn(0.5f, z < 0.0f ? sub_rn(1.0f, e) : add_rn(1.0f, e));
-  }
-  const float half_tail = mul_rn(0.5f, erfc_large(a, gauss));
-  return z > 0.0f ? sub_rn(1.0f, half_tail) : half_tail;
+// Phi(x), the standard normal CDF, given gauss = e^(-x^2/2): erfc(|x| / sqrt(2)) / 2 or one
+// minus it. Never 0.5 (1 + erf(x / sqrt(2))) as torch writes it: that cancels for x < 0 and
+// GELU's negative tail would keep only a few bits.
+TPFP8_HD float normal_cdf(float x, float gauss) {
+  const float half_tail = mul_rn(0.5f, erfc_from_gauss(abs_f(mul_rn(x, kSqrtHalf)), gauss));
+  return x > 0.0f ? sub_rn(1.0f, half_tail) : half_tail;
 }
 
 // GELU (torch's default, erf form): x Phi(x).
-TPFP8_HD float gelu(float x) {
-  const float z = mul_rn(x, kSqrtHalf), a = abs_f(z);
-  const float gauss = a < 1.0f ? 0.0f : exp_neg_square(x, 0.5f);
-  return mul_rn(x, normal_cdf(z, a, gauss));
-}
+TPFP8_HD float gelu(float x) { return mul_rn(x, normal_cdf(x, exp_neg_square(x, 0.5f))); }
 
 // d/dx GELU = Phi(x) + x phi(x), phi(x) = e^(-x^2/2) / sqrt(2 pi).
 TPFP8_HD float gelu_grad(float x) {
-  const float z = mul_rn(x, kSqrtHalf), a = abs_f(z);
   const float gauss = exp_neg_square(x, 0.5f);
-  return add_rn(normal_cdf(z, a, gauss), mul_rn(x, mul_rn(gauss, kInvSqrt2Pi)));
+  return add_rn(normal_cdf(x, gauss), mul_rn(x, mul_rn(gauss, kInvSqrt2Pi)));
 }
 
 // SiLU a sigmoid(a) as one quotient (one rounding fewer than a * (1 / (1 + e^-a))).
