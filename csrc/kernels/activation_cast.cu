@@ -115,7 +115,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   constexpr int kBatch =
       std::max(1, std::min(kPasses, kLoadBytes / (kInputs * 8 * int(sizeof(T)))));
   static_assert(kPasses % kBatch == 0, "batches must tile the passes");
-  __shared__ uint32_t tiles[kOutTiles][kFp8Tile * device::kFp8TileWords];
+  // 16-byte aligned: rows are written as 8-byte words.
+  __shared__ __align__(16) uint32_t tiles[kOutTiles][kFp8Tile * device::kFp8TileWords];
 
   const float scale = scale_src.resolve(F);
   const int seg = threadIdx.x % kSegmentsPerRow, row0 = threadIdx.x / kSegmentsPerRow;

@@ -1,6 +1,7 @@
 // Writing a 128x128 FP8 tile column-wise through shared memory, for kernels whose threads
 // produce it row by row (256 threads; a thread's 8-byte row segments go to the tile with
-// fp8_tile_word, then store_tile_columnwise writes 16-byte column segments).
+// fp8_tile_word, then store_tile_columnwise writes 16-byte column segments). The tile is
+// [128][32] uint32 in shared memory, aligned to at least 8 bytes.
 //
 // The same layout as cast_transpose.cu's (which keeps its own copy until its fused bias
 // gradient lands; then it can include this): the tile is XOR-swizzled by 16-row group so both
