@@ -135,7 +135,12 @@ def main(argv=None):
             r = {"rows": rows, "n": n, "activation": activation, "direction": direction,
                  "bytes": nbytes}
             for name, fn in cases.items():
-                ms = time_ms(fn, args.device, reps, pipelined=True)
+                try:
+                    ms = time_ms(fn, args.device, reps, pipelined=True)
+                except Exception as exc:  # (a compile failure must not lose the other rows)
+                    print(f"  {name} failed: {type(exc).__name__}: {exc}", flush=True)
+                    r[name] = {"ms": float("nan"), "GBps": float("nan"), "error": str(exc)}
+                    continue
                 moved = copy_bytes if name == "copy" else nbytes
                 r[name] = {"ms": ms, "GBps": moved / ms / 1e6}
             copy_gbps = r["copy"]["GBps"]
