@@ -9,8 +9,10 @@
 // backward makes two output tiles per tile, columns k and n + k of dx.
 //
 // The inputs are read once and the activation is never written in high precision unless
-// asked for: the kernel is bound by DRAM bandwidth where its arithmetic (exp and erf made of
-// correctly rounded operations, ~50-70 instructions an element) keeps up.
+// asked for. The exact math (exp and erf from correctly rounded operations, no FMA) costs an
+// estimated 60-90 fp32 instructions an element, while an H200 at copy bandwidth gives bf16
+// GELU forward ~30: the kernel may well be ALU-bound there (not measured yet; allowing
+// explicit, correctly rounded FMAs in activation_math.h would halve the polynomials).
 //
 // Shapes that break vector alignment (n % 8 != 0, misaligned pointers) load and store element
 // by element; rows % 16 != 0 only makes the column-wise stores bytewise.
