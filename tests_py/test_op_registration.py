@@ -5,6 +5,8 @@ import pytest
 import torch
 from torch.library import opcheck
 
+from test_activation_ops import activation_op_samples
+
 import tpfp8
 from tpfp8 import ops
 
@@ -48,6 +50,7 @@ def samples(device):
                                 None, False, False, False, False),
         **linear_samples(device, x, f32, u8, g),
         **norm_samples(device, x, f32, u8, g),
+        **activation_op_samples(device),
     }
 
 

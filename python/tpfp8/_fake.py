@@ -15,7 +15,9 @@ from . import _C
 
 _WRITERS = ("quantize", "cast_transpose", "cast_transpose_current", "transpose_fp8",
             "dequantize", "amax", "delayed_scaling_update", "delayed_scaling_update_many", "gemm",
-            "norm_cast", "norm_cast_current")
+            "norm_cast", "norm_cast_current", "activation_cast", "activation_cast_current",
+            "activation_amax", "activation_backward_cast", "activation_backward_cast_current",
+            "activation_backward_amax")
 OPS = _WRITERS + ("linear", "linear_forward", "linear_backward", "norm_backward")
 _COLUMN, _NONE = int(_C.ParallelMode.COLUMN), int(_C.Scaling.NONE)
 
