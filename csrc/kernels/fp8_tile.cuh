@@ -13,6 +13,8 @@
 
 #include <cstdint>
 
+#include "cast_device.cuh"
+
 namespace tpfp8 {
 namespace device {
 
@@ -22,16 +24,6 @@ constexpr int kFp8TileWords = kFp8Tile / 4;  // 32-bit words per tile row
 // Index of the word holding bytes [4 word, 4 word + 4) of tile row `row`.
 __device__ __forceinline__ int fp8_tile_word(int row, int word) {
   return row * kFp8TileWords + (word ^ (((row / 16) % 8) << 2));
-}
-
-// Transposes a 4x4 byte block: w[r] holds row r, result t[c] holds column c.
-__device__ __forceinline__ void transpose4x4_bytes(const uint32_t w[4], uint32_t t[4]) {
-  const uint32_t x0 = __byte_perm(w[0], w[1], 0x5140), x1 = __byte_perm(w[0], w[1], 0x7362);
-  const uint32_t y0 = __byte_perm(w[2], w[3], 0x5140), y1 = __byte_perm(w[2], w[3], 0x7362);
-  t[0] = __byte_perm(x0, y0, 0x5410);
-  t[1] = __byte_perm(x0, y0, 0x7632);
-  t[2] = __byte_perm(x1, y1, 0x5410);
-  t[3] = __byte_perm(x1, y1, 0x7632);
 }
 
 // Stores tile rows [0, m_end - m0) and columns [0, cols) transposed: tile (r, c) goes to
@@ -49,7 +41,7 @@ __device__ __forceinline__ void store_tile_columnwise(const uint32_t* tile, uint
     uint32_t w[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) w[i] = tile[fp8_tile_word(group * 16 + j * 4 + i, word)];
-    transpose4x4_bytes(w, t[j]);
+    transpose4x4(w, t[j]);
   }
   const int64_t m = m0 + group * 16;
   if (m >= m_end) return;
