@@ -6,6 +6,7 @@
 #include <torch/types.h>
 
 #include <optional>
+#include <tuple>
 #include <vector>
 
 namespace tpfp8 {
@@ -53,5 +54,25 @@ void delayed_scaling_update_many(const std::vector<at::Tensor>& histories,
 void gemm(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, const OptTensor& a_scale_inv,
           const OptTensor& b_scale_inv, int64_t a_type, int64_t b_type, const OptTensor& bias,
           bool accumulate, bool fast_accum, bool a_transposed, bool b_transposed);
+
+// Fused LayerNorm (rms_norm false: gamma, optional beta) / RMSNorm forward of input [M, H]
+// (H % 16 == 0, H <= 16384) into any of: out [M, H] (input dtype), rowwise [M, H] /
+// columnwise [H, M] FP8 codes with `scale`, amax folded, scale_inv, mean / rstd [M] fp32.
+void norm_cast(const at::Tensor& input, const at::Tensor& gamma, const OptTensor& beta,
+               bool rms_norm, double eps, const at::Tensor& scale, const OptTensor& out,
+               const OptTensor& rowwise, const OptTensor& columnwise, const OptTensor& amax,
+               const OptTensor& scale_inv, const OptTensor& mean, const OptTensor& rstd,
+               int64_t fp8_format);
+// The same with current scaling: folds the normalized output's max |y| into `amax` (one pass
+// over the input), then casts with fp8_max / max(amax, scale_epsilon) (a second pass).
+void norm_cast_current(const at::Tensor& input, const at::Tensor& gamma, const OptTensor& beta,
+                       bool rms_norm, double eps, const at::Tensor& amax, double scale_epsilon,
+                       const OptTensor& out, const OptTensor& rowwise, const OptTensor& columnwise,
+                       const OptTensor& scale_inv, const OptTensor& mean, const OptTensor& rstd,
+                       int64_t fp8_format);
+// (dx [M, H] in x's dtype, dgamma [H] and dbeta [H] (RMSNorm: [0]) in gamma's dtype).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward(
+    const at::Tensor& dy, const at::Tensor& x, const OptTensor& mean, const at::Tensor& rstd,
+    const at::Tensor& gamma, bool rms_norm);
 
 }  // namespace tpfp8

@@ -5,6 +5,8 @@ import pytest
 import torch
 from torch.library import opcheck
 
+from test_activation_ops import activation_op_samples
+
 import tpfp8
 from tpfp8 import ops
 
@@ -54,6 +56,30 @@ def samples(device):
                                                       device=device), None, None, bf16, bf16,
                                 None, False, False, False, False),
         **linear_samples(device, x, f32, u8, g),
+        **norm_samples(device, x, f32, u8, g),
+        **activation_op_samples(device),
+    }
+
+
+def norm_samples(device, x, f32, u8, g):
+    """The fused norm -> FP8 casts (LayerNorm with every output, delayed scaling; RMSNorm with
+    current scaling) and the norm's backward."""
+    gamma = (1 + torch.randn(64, generator=g)).to(device)
+    beta = torch.randn(64, generator=g).to(device)
+
+    def rows():
+        return torch.empty(32, device=device)
+
+    dy = torch.randn(32, 64, generator=g).bfloat16().to(device)
+    return {
+        "norm_cast layernorm": (x, gamma, beta, False, 1e-5, f32(2.0), torch.empty_like(x),
+                                u8(32, 64), u8(64, 32), f32(0.0), f32(0.0), rows(), rows(), 0),
+        "norm_cast_current rmsnorm": (x, gamma.bfloat16(), None, True, 1e-6, f32(0.0), 0.0,
+                                      None, u8(32, 64), u8(64, 32), f32(0.0), None, rows(), 1),
+        "norm_backward layernorm": (dy, x, x.float().mean(1), x.float().var(1).add(1e-5).rsqrt(),
+                                    gamma, False),
+        "norm_backward rmsnorm": (dy, x, None, torch.ones(32, device=device), gamma.bfloat16(),
+                                  True),
     }
 
 

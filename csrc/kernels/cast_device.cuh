@@ -1,5 +1,5 @@
 // Device-side pieces shared by the cast kernels: 8-wide vector access, the hardware FP8
-// conversion, and the block-wide amax fold.
+// conversion, the 4x4 byte transpose, and the block-wide amax fold.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -72,6 +72,16 @@ __device__ __forceinline__ uint2 cast8(const Pack8<T>& in, float scale, uint32_t
     v[j] = x * scale;
   }
   return make_uint2(encode4<F>(v), encode4<F>(v + 4));
+}
+
+// Transposes a 4x4 byte block: w[r] holds row r, result t[c] holds column c.
+__device__ __forceinline__ void transpose4x4(const uint32_t w[4], uint32_t t[4]) {
+  const uint32_t x0 = __byte_perm(w[0], w[1], 0x5140), x1 = __byte_perm(w[0], w[1], 0x7362);
+  const uint32_t y0 = __byte_perm(w[2], w[3], 0x5140), y1 = __byte_perm(w[2], w[3], 0x7362);
+  t[0] = __byte_perm(x0, y0, 0x5410);
+  t[1] = __byte_perm(x0, y0, 0x7632);
+  t[2] = __byte_perm(x1, y1, 0x5410);
+  t[3] = __byte_perm(x1, y1, 0x7632);
 }
 
 // Block-wide max of `v`, then one atomic per block into *amax (fp32 >= 0 or NaN, compared

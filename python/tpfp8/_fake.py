@@ -14,8 +14,11 @@ from torch.distributed import distributed_c10d
 from . import _C
 
 _WRITERS = ("quantize", "cast_transpose", "cast_transpose_current", "transpose_fp8",
-            "dequantize", "amax", "delayed_scaling_update", "delayed_scaling_update_many", "gemm")
-OPS = _WRITERS + ("linear", "linear_forward", "linear_backward")
+            "dequantize", "amax", "delayed_scaling_update", "delayed_scaling_update_many", "gemm",
+            "norm_cast", "norm_cast_current", "activation_cast", "activation_cast_current",
+            "activation_amax", "activation_backward_cast", "activation_backward_cast_current",
+            "activation_backward_amax")
+OPS = _WRITERS + ("linear", "linear_forward", "linear_backward", "norm_backward")
 _COLUMN, _NONE = int(_C.ParallelMode.COLUMN), int(_C.Scaling.NONE)
 
 
@@ -25,6 +28,12 @@ def _writes_only_its_arguments(*args, **kwargs) -> None:
 
 for _name in _WRITERS:
     torch.library.register_fake(f"tpfp8::{_name}")(_writes_only_its_arguments)
+
+
+@torch.library.register_fake("tpfp8::norm_backward")
+def _norm_backward(dy, x, mean, rstd, gamma, rms_norm):
+    dbeta = gamma.new_empty(0) if rms_norm else gamma.new_empty(gamma.shape)
+    return x.new_empty(x.shape), gamma.new_empty(gamma.shape), dbeta
 
 
 def _group_size(group_name: str) -> int:

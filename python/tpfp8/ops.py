@@ -154,6 +154,135 @@ def delayed_scaling_update_many(histories, scales, scale_invs, fp8_max, margin: 
                                      [int(v) for v in scale_offsets])
 
 
+_ACTIVATIONS = {"gelu": 0, "swiglu": 1}
+
+
+class Activated(NamedTuple):
+    """Result of a fused activation cast: FP8 row-wise ``[M, N]`` and/or column-wise ``[N, M]``
+    codes of the result (``act(x)``, or ``dx`` in backward), the fp32 amax buffer its max|.|
+    was folded into, ``scale_inv = 1 / scale``, and the result in x's dtype if asked for."""
+
+    rowwise: Optional[torch.Tensor]
+    columnwise: Optional[torch.Tensor]
+    amax: torch.Tensor
+    scale_inv: torch.Tensor
+    out: Optional[torch.Tensor]
+
+
+def _activation_code(activation: str) -> int:
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+    return _ACTIVATIONS[activation]
+
+
+def _activation_outputs(x, activation, backward, rowwise, columnwise, high_precision):
+    """(row-wise, column-wise, high-precision) result buffers for pre-activation x, or None."""
+    rows, width = x.shape if x.dim() == 2 else (0, 0)
+    cols = width if backward or activation != "swiglu" else width // 2
+
+    def new(shape, dtype, wanted):
+        return torch.empty(shape, dtype=dtype, device=x.device) if wanted else None
+    return (new((rows, cols), torch.uint8, rowwise), new((cols, rows), torch.uint8, columnwise),
+            new((rows, cols), x.dtype, high_precision))
+
+
+def activation_cast(x: torch.Tensor, scale: torch.Tensor, activation: str = "gelu",
+                    fp8_format="e4m3", *, rowwise: bool = True, columnwise: bool = True,
+                    high_precision: bool = False, amax: Optional[torch.Tensor] = None,
+                    scale_inv: Optional[torch.Tensor] = None) -> Activated:
+    """``act(x)`` written straight as FP8 (one read of x, no high-precision activation unless
+    ``high_precision``): the cast of :func:`cast_transpose` applied to ``act(x)`` computed in
+    fp32, with ``max|act(x)|`` folded into ``amax``.
+
+    ``activation`` is ``"gelu"`` (torch's default erf form: ``x * Phi(x)``) with ``x``
+    ``[M, N]``, or ``"swiglu"``: ``x = [a | b]`` ``[M, 2N]`` gives ``silu(a) * b`` ``[M, N]``.
+    x is fp32/bf16/fp16, contiguous; N must be a multiple of 16 for FP8 outputs.
+    """
+    row, col, out = _activation_outputs(x, activation, False, rowwise, columnwise,
+                                        high_precision)
+    amax = _scalar(x) if amax is None else amax
+    scale_inv = _scalar(x) if scale_inv is None else scale_inv
+    _ops.activation_cast(x, scale, row, col, out, amax, scale_inv, _activation_code(activation),
+                         int(Fp8Format.parse(fp8_format)))
+    return Activated(row, col, amax, scale_inv, out)
+
+
+def activation_amax(x: torch.Tensor, activation: str = "gelu",
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``max|act(x)|`` (folded into ``out`` when given; NaN wins), without writing act(x):
+    current scaling's first pass."""
+    out = _scalar(x) if out is None else out
+    _ops.activation_amax(x, out, _activation_code(activation))
+    return out
+
+
+def activation_cast_current(x: torch.Tensor, activation: str = "gelu", fp8_format="e4m3", *,
+                            amax: Optional[torch.Tensor] = None, epsilon: float = 0.0,
+                            rowwise: bool = True, columnwise: bool = True,
+                            high_precision: bool = False,
+                            scale_inv: Optional[torch.Tensor] = None) -> Activated:
+    """:func:`activation_cast` with current scaling: ``scale = fp8_max / max(amax, epsilon)``
+    from the amax of ``act(x)``. Without ``amax`` it is computed first (:func:`activation_amax`:
+    a second read of x, still less traffic than writing act(x) and reading it twice); pass
+    one to use it as is (e.g. all-reduced over a group). ``amax`` is returned unchanged."""
+    code = _activation_code(activation)
+    if amax is None:
+        amax = activation_amax(x, activation)
+    row, col, out = _activation_outputs(x, activation, False, rowwise, columnwise,
+                                        high_precision)
+    scale_inv = _scalar(x) if scale_inv is None else scale_inv
+    _ops.activation_cast_current(x, amax, float(epsilon), row, col, out, scale_inv, code,
+                                 int(Fp8Format.parse(fp8_format)))
+    return Activated(row, col, amax, scale_inv, out)
+
+
+def activation_backward_cast(grad: torch.Tensor, x: torch.Tensor, scale: torch.Tensor,
+                             activation: str = "gelu", fp8_format="e5m2", *,
+                             rowwise: bool = True, columnwise: bool = True,
+                             high_precision: bool = False, amax: Optional[torch.Tensor] = None,
+                             scale_inv: Optional[torch.Tensor] = None) -> Activated:
+    """The backward of :func:`activation_cast`: ``dx = grad * act'(x)`` written straight as FP8
+    row-wise and/or column-wise (fc1's dgrad and wgrad operands), ``max|dx|`` folded into
+    ``amax``.
+
+    ``grad`` is the gradient of ``act(x)`` ``[M, N]`` in x's dtype, ``x`` the saved
+    pre-activation; ``dx`` has x's shape (for SwiGLU ``[M, 2N]``: ``[da | db]``), whose width
+    must be a multiple of 16 for FP8 outputs.
+    """
+    row, col, out = _activation_outputs(x, activation, True, rowwise, columnwise, high_precision)
+    amax = _scalar(x) if amax is None else amax
+    scale_inv = _scalar(x) if scale_inv is None else scale_inv
+    _ops.activation_backward_cast(grad, x, scale, row, col, out, amax, scale_inv,
+                                  _activation_code(activation), int(Fp8Format.parse(fp8_format)))
+    return Activated(row, col, amax, scale_inv, out)
+
+
+def activation_backward_amax(grad: torch.Tensor, x: torch.Tensor, activation: str = "gelu",
+                             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``max|grad * act'(x)|`` (folded into ``out`` when given), without writing dx."""
+    out = _scalar(x) if out is None else out
+    _ops.activation_backward_amax(grad, x, out, _activation_code(activation))
+    return out
+
+
+def activation_backward_cast_current(grad: torch.Tensor, x: torch.Tensor,
+                                     activation: str = "gelu", fp8_format="e5m2", *,
+                                     amax: Optional[torch.Tensor] = None, epsilon: float = 0.0,
+                                     rowwise: bool = True, columnwise: bool = True,
+                                     high_precision: bool = False,
+                                     scale_inv: Optional[torch.Tensor] = None) -> Activated:
+    """:func:`activation_backward_cast` with current scaling, as
+    :func:`activation_cast_current` (``amax``: of dx, computed first when not given)."""
+    code = _activation_code(activation)
+    if amax is None:
+        amax = activation_backward_amax(grad, x, activation)
+    row, col, out = _activation_outputs(x, activation, True, rowwise, columnwise, high_precision)
+    scale_inv = _scalar(x) if scale_inv is None else scale_inv
+    _ops.activation_backward_cast_current(grad, x, amax, float(epsilon), row, col, out,
+                                          scale_inv, code, int(Fp8Format.parse(fp8_format)))
+    return Activated(row, col, amax, scale_inv, out)
+
+
 _GEMM_TYPES = {torch.float32: int(_C.GemmType.FLOAT32), torch.bfloat16: int(_C.GemmType.BFLOAT16),
                torch.float16: int(_C.GemmType.FLOAT16)}
 _FP8_DTYPES = {getattr(torch, name): fmt for name, fmt in
@@ -199,3 +328,79 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = None
     _ops.gemm(_as_codes(a), _as_codes(b), out, a_scale_inv, b_scale_inv, a_type, b_type, bias,
               accumulate, fast_accum, a_transposed, b_transposed)
     return out
+
+
+class NormCast(NamedTuple):
+    """Result of a fused norm -> FP8 cast: the normalized output ``[M, H]`` in the input's dtype
+    (or None), its FP8 codes row-wise ``[M, H]`` / column-wise ``[H, M]`` (or None), the fp32
+    amax buffer, ``scale_inv``, and the per-row fp32 ``mean`` (LayerNorm) and ``rstd``."""
+
+    out: Optional[torch.Tensor]
+    rowwise: Optional[torch.Tensor]
+    columnwise: Optional[torch.Tensor]
+    amax: torch.Tensor
+    scale_inv: torch.Tensor
+    mean: Optional[torch.Tensor]
+    rstd: Optional[torch.Tensor]
+
+
+def _norm_outputs(x, rms_norm, out, rowwise, columnwise, stats):
+    rows = x.shape[0] if x.dim() == 2 else 0
+    row, col, scale_inv = _cast_outputs(x, rowwise, columnwise, None)
+
+    def f32(*size):
+        return torch.empty(size, dtype=torch.float32, device=x.device)
+
+    mean = f32(rows) if stats and not rms_norm else None
+    rstd = f32(rows) if stats else None
+    return torch.empty_like(x) if out else None, row, col, scale_inv, mean, rstd
+
+
+def norm_cast(x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor] = None,
+              scale: Optional[torch.Tensor] = None, fp8_format="e4m3", *,
+              rms_norm: bool = False, eps: float = 1e-5, out: bool = True,
+              rowwise: bool = True, columnwise: bool = True, stats: bool = True,
+              amax: Optional[torch.Tensor] = None) -> NormCast:
+    """LayerNorm (``rms_norm=False``) or RMSNorm of ``x`` ``[M, H]`` (fp32/bf16/fp16,
+    ``H % 16 == 0``, ``H <= 16384``) and its FP8 cast with the given ``scale``, in one pass:
+
+      LayerNorm: ``y = (x - mean) * rstd * gamma + beta``, ``rstd = 1 / sqrt(var + eps)``
+      RMSNorm:   ``y = x * rstd * gamma``,                 ``rstd = 1 / sqrt(mean(x^2) + eps)``
+
+    computed in fp32 and rounded to x's dtype; the codes are ``rne(y * scale)`` and max|y| is
+    folded into ``amax`` (a fresh zero buffer if None). ``gamma`` / ``beta`` are ``[H]``;
+    ``out`` / ``rowwise`` / ``columnwise`` / ``stats`` (mean and rstd for backward) choose the
+    outputs. Bit-identical on CPU and GPU."""
+    fmt = Fp8Format.parse(fp8_format)
+    scale = _scalar(x, 1.0) if scale is None else scale
+    y, row, col, scale_inv, mean, rstd = _norm_outputs(x, rms_norm, out, rowwise, columnwise,
+                                                       stats)
+    amax = _scalar(x) if amax is None else amax
+    _ops.norm_cast(x, gamma, beta, bool(rms_norm), float(eps), scale, y, row, col, amax,
+                   scale_inv, mean, rstd, int(fmt))
+    return NormCast(y, row, col, amax, scale_inv, mean, rstd)
+
+
+def norm_cast_current(x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor] = None,
+                      fp8_format="e4m3", *, rms_norm: bool = False, eps: float = 1e-5,
+                      scale_epsilon: float = 0.0, out: bool = True, rowwise: bool = True,
+                      columnwise: bool = True, stats: bool = True) -> NormCast:
+    """:func:`norm_cast` with current scaling: a first pass folds the normalized output's
+    max|y| into a zero ``amax``, the second casts with ``fp8_max / max(amax, scale_epsilon)``
+    (1 when amax is 0, inf or NaN), computed by the kernel itself."""
+    fmt = Fp8Format.parse(fp8_format)
+    y, row, col, scale_inv, mean, rstd = _norm_outputs(x, rms_norm, out, rowwise, columnwise,
+                                                       stats)
+    amax = _scalar(x)
+    _ops.norm_cast_current(x, gamma, beta, bool(rms_norm), float(eps), amax,
+                           float(scale_epsilon), y, row, col, scale_inv, mean, rstd, int(fmt))
+    return NormCast(y, row, col, amax, scale_inv, mean, rstd)
+
+
+def norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: Optional[torch.Tensor],
+                  rstd: torch.Tensor, gamma: torch.Tensor, rms_norm: bool = False):
+    """Backward of :func:`norm_cast`'s norm from its saved ``mean`` (LayerNorm; None for
+    RMSNorm) and ``rstd``: ``(dx [M, H] in x's dtype, dgamma [H], dbeta [H] or None for
+    RMSNorm)`` in gamma's dtype, computed in fp32 (ATen ops for now, no fused kernel)."""
+    dx, dgamma, dbeta = _ops.norm_backward(dy, x, mean, rstd, gamma, bool(rms_norm))
+    return dx, dgamma, None if rms_norm else dbeta

@@ -1,0 +1,139 @@
+// fp32 exp, erf and the activations built on them (GELU, SwiGLU, their derivatives), one
+// definition for host and device so the CPU reference and the CUDA kernels give the same bits.
+//
+// The math libraries cannot be used for that: CUDA's expf / erff and glibc's are accurate to
+// an ulp or two, but not equal to each other. Everything here is made of correctly rounded
+// fp32 + - * / only (the _rn intrinsics on the device, which nvcc never contracts into FMAs;
+// plain operators on the host, compiled with -ffp-contract=off), bit operations, and
+// comparisons, so both sides round identically. Accuracy, measured against double by
+// tests_cpp/test_activation_cast.cpp: exp within 1.05 ulp, erf 1.4, erfc 5.5, GELU ~8.
+// Coefficients: tools/fit_activation_math.py.
+#pragma once
+
+#include <cstdint>
+
+#include "fp8_format.h"
+
+namespace tpfp8 {
+
+TPFP8_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+TPFP8_HD float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+TPFP8_HD float sub_rn(float a, float b) { return add_rn(a, -b); }
+
+TPFP8_HD float abs_f(float x) { return bits_float(float_bits(x) & 0x7FFFFFFFu); }
+
+// Horner's rule over c[0] + c[1] u + ... + c[N-1] u^(N-1).
+template <int N>
+TPFP8_HD float horner(const float (&c)[N], float u) {
+  float p = c[N - 1];
+  for (int i = N - 2; i >= 0; --i) p = add_rn(mul_rn(p, u), c[i]);
+  return p;
+}
+
+// e^(hi + lo), lo a small correction to hi (a split argument; 0 for a plain e^x).
+// hi + lo = k ln2 + r with |r| <= ln2/2: k*kLn2Hi is exact (kLn2Hi has 16 significant bits,
+// |k| <= 150), so r carries only the rounding of its low parts. The 2^k scaling is two exact
+// power-of-two steps then one rounding, so subnormal results round once too.
+TPFP8_HD float exp_fp32(float hi, float lo = 0.0f) {
+  constexpr float kLog2e = 1.44269502f;
+  constexpr float kLn2Hi = 0.693145751953125f;
+  constexpr float kLn2Lo = 1.42860677e-06f;
+  constexpr float kShift = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  constexpr float kQ[] = {0.5f, 0.166665778f, 0.0416668542f, 0.00836314075f, 0.00139012828f};
+  if (!(hi == hi)) return hi;
+  if (hi > 89.0f) return bits_float(0x7F800000u);  // e^88.73 is past FLT_MAX
+  if (hi < -104.0f) return 0.0f;                   // below half the smallest subnormal
+  const float shifted = add_rn(mul_rn(hi, kLog2e), kShift);
+  const float kf = sub_rn(shifted, kShift);
+  const int k = static_cast<int>(float_bits(shifted)) - static_cast<int>(float_bits(kShift));
+  const float r = add_rn(sub_rn(sub_rn(hi, mul_rn(kf, kLn2Hi)), mul_rn(kf, kLn2Lo)), lo);
+  const float p = add_rn(1.0f, add_rn(r, mul_rn(mul_rn(r, r), horner(kQ, r))));
+  const int k1 = k / 2, k2 = k - k1;  // each in [-75, 64]: 2^k1, 2^k2 are normal floats
+  const float s1 = bits_float(static_cast<uint32_t>(k1 + 127) << 23);
+  const float s2 = bits_float(static_cast<uint32_t>(k2 + 127) << 23);
+  return mul_rn(mul_rn(p, s1), s2);
+}
+
+// e^(-c x^2), c = 1 or 1/2. x^2 rounded to fp32 would be off by up to x^2 2^-24 in absolute
+// terms, i.e. ~x^2 ulp of the result (70 ulp of erfc(8.6)); instead x_hi, x with its low 12
+// significand bits cleared, squares exactly and only the small rest (x - x_hi)(x + x_hi) rounds.
+TPFP8_HD float exp_neg_square(float x, float c) {
+  const float xh = bits_float(float_bits(x) & 0xFFFFF000u);
+  const float hi = mul_rn(mul_rn(xh, xh), -c);
+  if (!(hi >= -104.0f)) return hi == hi ? 0.0f : hi;  // also x = inf, where the rest is NaN
+  return exp_fp32(hi, mul_rn(mul_rn(sub_rn(x, xh), add_rn(x, xh)), -c));
+}
+
+// erf(a) for 0 <= a < 1: a + a P(a^2) (the a term exact, the correction about 1/8 of it).
+TPFP8_HD float erf_small(float a) {
+  constexpr float kP[] = {0.128379166f,   -0.37612626f,     0.112836003f,   -0.026854448f,
+                          0.00518954033f, -0.000802087947f, 7.88923644e-05f};
+  return add_rn(a, mul_rn(a, horner(kP, mul_rn(a, a))));
+}
+
+// erfc(a) for a >= 0, given gauss = e^(-a^2): gauss * t * H(t) with t = 1 / (1 + a/2) in
+// (0, 1] and H smooth there (H(1) = 1/2, H -> 1/(2 sqrt(pi)) as a grows). Relative accuracy
+// over the whole range, so the tail stays accurate, and one polynomial: no branch.
+TPFP8_HD float erfc_from_gauss(float a, float gauss) {
+  constexpr float kH[] = {0.282088637f,  0.282249659f,  0.245206669f,   0.185438529f,
+                          0.0554381385f, 0.0340823717f, -0.0198658574f, -0.291789681f,
+                          0.382886827f,  -0.191597477f, 0.035862159f};
+  const float t = div_rn(1.0f, add_rn(1.0f, mul_rn(0.5f, a)));
+  return mul_rn(mul_rn(gauss, t), horner(kH, t));
+}
+
+TPFP8_HD float erf_fp32(float x) {
+  if (!(x == x)) return x;
+  const float a = abs_f(x);
+  const float r =
+      a < 1.0f ? erf_small(a) : sub_rn(1.0f, erfc_from_gauss(a, exp_neg_square(a, 1.0f)));
+  return bits_float(float_bits(r) | (float_bits(x) & 0x80000000u));
+}
+
+constexpr float kSqrtHalf = 0.707106769f;    // 1 / sqrt(2)
+constexpr float kInvSqrt2Pi = 0.398942292f;  // 1 / sqrt(2 pi)
+
+// Phi(x), the standard normal CDF, given gauss = e^(-x^2/2): erfc(|x| / sqrt(2)) / 2 or one
+// minus it. Never 0.5 (1 + erf(x / sqrt(2))) as torch writes it: that cancels for x < 0 and
+// GELU's negative tail would keep only a few bits.
+TPFP8_HD float normal_cdf(float x, float gauss) {
+  const float half_tail = mul_rn(0.5f, erfc_from_gauss(abs_f(mul_rn(x, kSqrtHalf)), gauss));
+  return x > 0.0f ? sub_rn(1.0f, half_tail) : half_tail;
+}
+
+// GELU (torch's default, erf form): x Phi(x).
+TPFP8_HD float gelu(float x) { return mul_rn(x, normal_cdf(x, exp_neg_square(x, 0.5f))); }
+
+// d/dx GELU = Phi(x) + x phi(x), phi(x) = e^(-x^2/2) / sqrt(2 pi).
+TPFP8_HD float gelu_grad(float x) {
+  const float gauss = exp_neg_square(x, 0.5f);
+  return add_rn(normal_cdf(x, gauss), mul_rn(x, mul_rn(gauss, kInvSqrt2Pi)));
+}
+
+// SiLU a sigmoid(a) as one quotient (one rounding fewer than a * (1 / (1 + e^-a))).
+TPFP8_HD float silu(float a) { return div_rn(a, add_rn(1.0f, exp_fp32(-a))); }
+
+// SwiGLU's derivatives for y = silu(a) * b and upstream gradient dy:
+//   da = dy b sigmoid(a) (1 + a (1 - sigmoid(a))),  db = dy silu(a).
+TPFP8_HD void swiglu_grad(float a, float b, float dy, float& da, float& db) {
+  const float s = div_rn(1.0f, add_rn(1.0f, exp_fp32(-a)));
+  const float dsilu = mul_rn(s, add_rn(1.0f, mul_rn(a, sub_rn(1.0f, s))));
+  da = mul_rn(mul_rn(dy, b), dsilu);
+  db = mul_rn(dy, mul_rn(a, s));
+}
+
+}  // namespace tpfp8

@@ -1,0 +1,132 @@
+// Fused LayerNorm / RMSNorm forward -> FP8 cast, for the norm that feeds an FP8 Linear: one
+// read of the input writes the normalized output, its FP8 row-wise and column-wise codes, the
+// amax and the per-row statistics backward needs.
+//
+// The reduction order is part of the op's definition, so the CUDA kernel and the CPU reference
+// give the same bytes (mean, rstd, every output):
+//   - a row is split into 8-element chunks; lane l of kNormLanes owns chunks l, l + kNormLanes,
+//     ... and adds its elements in order into an fp32 partial starting at +0;
+//   - the lanes' partials reduce as warps of 32 (butterfly: lane i += lane i ^ 16, ^8, ^4, ^2,
+//     ^1), then the kNormLanes / 32 warp sums are added in warp order;
+//   - every operation is one IEEE fp32 operation rounded to nearest (no FMA, no rsqrt).
+// LayerNorm is two-pass over the row (held in registers): mean, then the centered variance.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "cast.h"
+#include "dtype.h"
+#include "fp8_format.h"
+#include "launch.h"
+
+namespace tpfp8 {
+
+enum class NormType : int { kLayerNorm = 0, kRMSNorm = 1 };
+
+constexpr int kNormLanes = 256;       // threads (CPU: emulated lanes) that reduce one row
+constexpr int kNormMaxChunks = 8;     // 8-element chunks a lane holds: hidden <= 16384
+constexpr int kNormHiddenAlign = 16;  // the FP8 GEMMs' K alignment
+constexpr int64_t kNormMaxHidden = int64_t{kNormLanes} * kNormMaxChunks * 8;
+
+// fp32 operations rounded to nearest even, never contracted or approximated on either side.
+TPFP8_HD float sub_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+TPFP8_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+TPFP8_HD float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+TPFP8_HD float sqrt_rn(float a) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(a);
+#else
+  return std::sqrt(a);  // IEEE correctly rounded, as __fsqrt_rn
+#endif
+}
+
+// The term a row's second reduction sums: (x - mean)^2 for LayerNorm, x^2 for RMSNorm (whose
+// "mean" is 0 by convention).
+TPFP8_HD float norm_square(float x, float mean, NormType n) {
+  const float d = n == NormType::kLayerNorm ? sub_rn(x, mean) : x;
+  return mul_rn(d, d);
+}
+// 1 / sqrt(sum_sq / hidden + eps).
+TPFP8_HD float norm_rstd(float sum_sq, int64_t hidden, float eps) {
+  return div_rn(1.0f, sqrt_rn(add_rn(div_rn(sum_sq, static_cast<float>(hidden)), eps)));
+}
+// y = (x - mean) * rstd * gamma + beta (LayerNorm), x * rstd * gamma (RMSNorm), left to right.
+TPFP8_HD float norm_apply(float x, float mean, float rstd, float gamma, float beta, NormType n) {
+  const float centered = n == NormType::kLayerNorm ? sub_rn(x, mean) : x;
+  const float y = mul_rn(mul_rn(centered, rstd), gamma);
+  return n == NormType::kLayerNorm ? add_rn(y, beta) : y;
+}
+
+// One fused norm over a [rows, hidden] tensor (hidden % 16 == 0, hidden <= kNormMaxHidden).
+//   y[r, c]   = norm_apply(...) rounded to the input dtype (the FP8 codes and the amax are of
+//               this rounded value, so they equal norm-then-cast_transpose bit for bit)
+//   out       = y in the input dtype                               (nullptr: not written)
+//   rowwise / columnwise / amax / scale_inv as CastParams, of y    (nullptr: not written)
+//   mean[r]   = the row's mean (LayerNorm only), rstd[r] = 1/sqrt(var + eps), fp32
+// gamma and beta are fp32 [hidden]; beta nullptr means 0 (and must be for RMSNorm).
+// Current scaling runs two launches: norm_cast_amax_cuda (only `amax`), then norm_cast_cuda
+// with scale_amax pointing at it.
+struct NormCastParams {
+  const void* input = nullptr;
+  DType dtype = DType::kFloat32;
+  int64_t rows = 0;
+  int64_t hidden = 0;
+  NormType norm = NormType::kLayerNorm;
+  const float* gamma = nullptr;
+  const float* beta = nullptr;
+  float eps = 1e-5f;
+  Fp8Format format = Fp8Format::kE4M3;
+  const float* scale = nullptr;
+  const float* scale_amax = nullptr;  // set: current scaling from this amax, `scale` unused
+  float scale_epsilon = 0.0f;
+  void* out = nullptr;
+  uint8_t* rowwise = nullptr;
+  uint8_t* columnwise = nullptr;
+  float* amax = nullptr;
+  float* scale_inv = nullptr;
+  float* mean = nullptr;
+  float* rstd = nullptr;
+};
+
+// The params of current scaling's first pass: p with every output but amax (and the scale)
+// cleared.
+inline NormCastParams amax_pass_params(NormCastParams p) {
+  p.out = nullptr, p.rowwise = nullptr, p.columnwise = nullptr;
+  p.scale_inv = nullptr, p.mean = nullptr, p.rstd = nullptr;
+  p.scale = nullptr, p.scale_amax = nullptr;
+  return p;
+}
+
+// What a NormCastParams may not be, in words (nullptr when valid): the launchers return
+// cudaErrorInvalidValue and the CPU reference does nothing for such params.
+const char* norm_cast_invalid(const NormCastParams& p);
+
+// Every output p names, in one pass over the input.
+cudaError_t norm_cast_cuda(const NormCastParams& p, cudaStream_t stream);
+// Current scaling's first pass: folds max |y| into *p.amax and writes nothing else (p's other
+// outputs are ignored).
+cudaError_t norm_cast_amax_cuda(const NormCastParams& p, cudaStream_t stream);
+
+void norm_cast_cpu(const NormCastParams& p);
+void norm_cast_amax_cpu(const NormCastParams& p);
+
+}  // namespace tpfp8

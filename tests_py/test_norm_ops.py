@@ -1,0 +1,170 @@
+"""tpfp8.ops.norm_cast / norm_cast_current / norm_backward: the CPU op against a float64 norm and
+the FP8 oracle, the GPU op against the CPU op (bytes equal), and the argument errors. (opcheck of
+the three ops: tests_py/test_op_registration.py.)"""
+import numpy as np
+import pytest
+import torch
+
+from conftest import requires_gpu
+from fp8_oracle import MAX, encode
+from tpfp8 import ops
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+NORMS = ["layernorm", "rmsnorm"]
+SHAPES = [(1, 16), (17, 48), (40, 1040), (64, 4096)]
+# The bound on |y - y64| in units of the output dtype's epsilon (1 for the final rounding, the
+# rest for fp32 arithmetic and x - mean losing x's low bits).
+EPS = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+def sample(shape, dtype, seed=0):
+    """Rows with their own offset and spread, so LayerNorm's centering matters."""
+    g = torch.Generator().manual_seed(seed)
+    rows = shape[0]
+    offset = torch.randn(rows, 1, generator=g) * 3
+    spread = torch.exp2(torch.randn(rows, 1, generator=g) * 2)
+    return (offset + spread * torch.randn(shape, generator=g)).to(dtype)
+
+
+def weights(hidden, seed):
+    g = torch.Generator().manual_seed(seed)
+    return 1 + 0.5 * torch.randn(hidden, generator=g), 0.5 * torch.randn(hidden, generator=g)
+
+
+def norm64(x, gamma, beta, rms, eps=1e-5):
+    """(y, mean, rstd) in float64."""
+    x = x.double()
+    mean = torch.zeros(x.shape[0], dtype=torch.float64) if rms else x.mean(1)
+    var = ((x - mean[:, None]) ** 2).mean(1)
+    rstd = 1 / torch.sqrt(var + eps)
+    y = (x - mean[:, None]) * rstd[:, None] * gamma.double()
+    return (y if rms else y + beta.double()), mean, rstd
+
+
+def run(x, norm, current, fmt="e4m3", scale=2.0, **kw):
+    gamma, beta = weights(x.shape[1], x.shape[1])
+    gamma, beta = gamma.to(x.device), beta.to(x.device)
+    rms = norm == "rmsnorm"
+    b = None if rms else beta
+    if current:
+        return ops.norm_cast_current(x, gamma, b, fmt, rms_norm=rms, **kw)
+    s = torch.tensor([scale], device=x.device)
+    return ops.norm_cast(x, gamma, b, s, fmt, rms_norm=rms, **kw)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("current", [False, True], ids=["delayed", "current"])
+def test_cpu_matches_fp64_norm_and_fp8_oracle(shape, dtype, norm, current):
+    x = sample(shape, dtype, seed=shape[0] + shape[1])
+    fmt = "e5m2" if current else "e4m3"
+    r = run(x, norm, current, fmt)
+    gamma, beta = weights(shape[1], shape[1])
+    y64, mean64, rstd64 = norm64(x, gamma, beta, norm == "rmsnorm")
+    # x - mean in fp32 loses the bits of x below mean's ulp: that error, times rstd * gamma.
+    cancel = 2.0 ** -22 * (mean64.abs() * rstd64)[:, None] * gamma.double().abs()
+    tol = 2 * EPS[dtype] * y64.abs() + 1e-6 + cancel
+    assert ((r.out.double() - y64).abs() <= tol).all()
+    torch.testing.assert_close(r.rstd.double(), rstd64, rtol=2e-6, atol=0)
+    if norm == "layernorm":
+        torch.testing.assert_close(r.mean.double(), mean64, rtol=1e-6, atol=1e-6)
+    else:
+        assert r.mean is None
+    # The FP8 part is exact: the codes of the rounded output times the scale, in fp32.
+    amax = np.float32(r.out.float().abs().max())
+    assert r.amax.item() == amax
+    scale = np.float32(MAX[fmt]) / amax if current else np.float32(2.0)
+    want = encode(r.out.float().numpy() * scale, fmt)
+    np.testing.assert_array_equal(r.rowwise.numpy(), want)
+    np.testing.assert_array_equal(r.columnwise.numpy(), want.T)
+    assert r.scale_inv.item() == np.float32(1.0) / scale
+
+
+def test_outputs_are_optional_and_fold_into_amax():
+    x = sample((8, 32), torch.bfloat16)
+    full = run(x, "layernorm", False)
+    amax = torch.tensor([1e6])
+    part = run(x, "layernorm", False, out=False, columnwise=False, stats=False, amax=amax)
+    assert part.out is None and part.columnwise is None and part.mean is None
+    assert torch.equal(part.rowwise, full.rowwise) and amax.item() == 1e6
+    plain = run(x, "rmsnorm", False, rowwise=False, columnwise=False)
+    assert plain.rowwise is None and plain.mean is None and plain.rstd is not None
+
+
+def test_nan_and_inf_rows_propagate():
+    x = sample((4, 32), torch.float32)
+    x[1, 3] = float("nan")
+    x[2, 0] = float("inf")
+    r = run(x, "layernorm", False)
+    assert torch.isnan(r.out[1]).all() and torch.isnan(r.out[2]).all()
+    assert torch.isfinite(r.out[[0, 3]]).all()
+    assert (r.rowwise[1] == 0x7F).all() and torch.isnan(r.amax).all()
+
+
+def as_bytes(t):
+    return None if t is None else t.contiguous().view(torch.uint8).cpu()
+
+
+@requires_gpu
+@pytest.mark.parametrize("shape", [(1, 16), (17, 1040), (100, 3072), (256, 4096), (33, 8192),
+                                   (20, 16384)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("current", [False, True], ids=["delayed", "current"])
+def test_gpu_bytes_equal_cpu(shape, dtype, norm, current):
+    x = sample(shape, dtype, seed=7)
+    if shape[0] > 8:
+        x[5, 1] = float("nan")
+    cpu = run(x, norm, current)
+    gpu = run(x.cuda(), norm, current)
+    for name in cpu._fields:
+        a, b = as_bytes(getattr(cpu, name)), as_bytes(getattr(gpu, name))
+        assert (a is None and b is None) or torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_backward_matches_autograd(device, norm):
+    x = sample((24, 64), torch.float32, seed=3).double()
+    gamma, beta = (w.double() for w in weights(64, 5))
+    rms = norm == "rmsnorm"
+    dy = torch.randn(24, 64, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    xr, gr, br = (t.clone().requires_grad_(True) for t in (x, gamma, beta))
+    y, _, _ = norm64(xr, gr, br, rms)
+    y.backward(dy)
+    r = run(x.float().to(device), norm, False, rowwise=False, columnwise=False)
+    dx, dgamma, dbeta = ops.norm_backward(dy.float().to(device), x.float().to(device), r.mean,
+                                          r.rstd, gamma.float().to(device), rms_norm=rms)
+    torch.testing.assert_close(dx.double().cpu(), xr.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dgamma.double().cpu(), gr.grad, rtol=1e-4, atol=1e-4)
+    if rms:
+        assert dbeta is None
+    else:
+        torch.testing.assert_close(dbeta.double().cpu(), br.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_inputs_raise_clear_errors_and_change_nothing():
+    x = sample((4, 32), torch.float32)
+    gamma, beta = weights(32, 0)
+    s = torch.tensor([1.0])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ops.norm_cast(sample((4, 24), torch.float32), gamma[:24], None, s)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ops.norm_cast(torch.zeros(2, 16400), torch.ones(16400), None, s)
+    with pytest.raises(ValueError, match="RMSNorm has no beta"):
+        ops.norm_cast(x, gamma, beta, s, rms_norm=True)
+    with pytest.raises(ValueError, match=r"gamma must be 1-D \[hidden=32\]"):
+        ops.norm_cast(x, gamma[:16], None, s)
+    with pytest.raises(ValueError, match="eps must be >= 0"):
+        ops.norm_cast(x, gamma, None, s, eps=-1.0)
+    with pytest.raises(RuntimeError, match="must be 2-D"):
+        ops.norm_cast(x.view(2, 2, 32), gamma, None, s)
+    amax = torch.tensor([5.0])
+    rowwise = torch.full((4, 32), 7, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="columnwise must be"):
+        torch.ops.tpfp8.norm_cast(x, gamma, None, False, 1e-5, s, None, rowwise,
+                                  torch.empty(4, 32, dtype=torch.uint8), amax, None, None,
+                                  None, 0)
+    assert amax.item() == 5.0 and (rowwise == 7).all()
+    with pytest.raises(ValueError, match="needs the mean"):
+        ops.norm_backward(x, x, None, torch.ones(4), gamma, rms_norm=False)
