@@ -43,16 +43,6 @@ static_assert(kTile == kDbiasTileRows && kRowsPerPass == kDbiasLanes && kWarps =
 // Word column where (row, word) lives in the shared tile: XOR by the row's 16-row group.
 __device__ __forceinline__ int swizzle(int row, int word) { return word ^ (((row / 16) % 8) << 2); }
 
-// Transposes a 4x4 byte block: w[r] holds row r, result t[c] holds column c.
-__device__ __forceinline__ void transpose4x4(const uint32_t w[4], uint32_t t[4]) {
-  const uint32_t x0 = __byte_perm(w[0], w[1], 0x5140), x1 = __byte_perm(w[0], w[1], 0x7362);
-  const uint32_t y0 = __byte_perm(w[2], w[3], 0x5140), y1 = __byte_perm(w[2], w[3], 0x7362);
-  t[0] = __byte_perm(x0, y0, 0x5410);
-  t[1] = __byte_perm(x0, y0, 0x7632);
-  t[2] = __byte_perm(x1, y1, 0x5410);
-  t[3] = __byte_perm(x1, y1, 0x7632);
-}
-
 // The 8 FP8 bytes of a loaded segment: a cast for high-precision input, the bytes themselves
 // for FP8 input (the transpose-only op).
 template <Fp8Format F, typename T>
@@ -214,7 +204,7 @@ __device__ void staged_tile(const T* buf, const TileArgs& t, uint32_t* fp8_tile,
       const int r = group * 16 + j * 4 + i;
       w[i] = fp8_tile[r * kTileWords + swizzle(r, word)];
     }
-    transpose4x4(w, cols[j]);
+    device::transpose4x4(w, cols[j]);
   }
   if (t.m0 + group * 16 >= t.m_end) return;
 #pragma unroll

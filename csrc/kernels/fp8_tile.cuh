@@ -3,9 +3,9 @@
 // fp8_tile_word, then store_tile_columnwise writes 16-byte column segments). The tile is
 // [128][32] uint32 in shared memory, aligned to at least 8 bytes.
 //
-// The same layout as cast_transpose.cu's (which keeps its own copy until its fused bias
-// gradient lands; then it can include this): the tile is XOR-swizzled by 16-row group so both
-// the row-wise writes and the column-wise reads are free of bank conflicts, and a warp's
+// The same layout as cast_transpose.cu's tile (which keeps its own store loop: its thread layout
+// also fixes the order of its bias-gradient sums): the tile is XOR-swizzled by 16-row group so
+// both the row-wise writes and the column-wise reads are free of bank conflicts, and a warp's
 // column-wise stores cover 4 rows x 128 B.
 #pragma once
 
