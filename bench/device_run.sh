@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds tpfp8 on a GPU machine, runs the GPU tests and the benchmarks, writes logs to $OUT.
 #   OUT=/tmp/out bash bench/device_run.sh [gemm|cast|norm|linear|debug|tp|demo|tests|soak|host|
-#                                         compile|block ...]
+#                                         compile|block|norm|activation ...]
 # (default: gemm cast linear debug tp demo tests). Each step's wall time goes to the log;
 # JSON/PNG results are packed into $OUT/results.tgz at the end (the device tool returns only a
 # few files). compile, block: torchao, for their float8 cases, is not on the GPU machine; a
@@ -42,6 +42,8 @@ for step in $steps; do
       python3 -m pytest tests_py -q -rs -p no:cacheprovider 2>&1 | tee -a "$log" | tail -4 ;;
     cast) python3 bench/cast.py --out "$OUT" 2>&1 | tee -a "$log" | grep -E '^\|' ;;
     norm) python3 bench/norm_cast.py --out "$OUT" 2>&1 | tee -a "$log" | grep -E '^\|' ;;
+    activation) python3 bench/activation_cast.py --out "$OUT" 2>&1 | tee -a "$log" |
+                  grep -E '^\|' ;;
     gemm) python3 bench/gemm.py --out "$OUT" 2>&1 | tee -a "$log" | grep -E '^\|' ;;
     linear) python3 bench/linear.py --out "$OUT" 2>&1 | tee -a "$log" | grep -E '^\|' ;;
     debug) python3 bench/debug_overhead.py --out "$OUT" 2>&1 | tee -a "$log" | grep -E '^\|' ;;
