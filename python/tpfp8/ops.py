@@ -72,9 +72,10 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_format="e4m3", *,
     """Casts ``x`` ``[M, K]`` once, writing row-wise ``[M, K]`` and/or column-wise ``[K, M]``
     codes (the column-wise data is the transpose), folding max|x| into ``amax``.
 
-    ``dbias`` (``[K]`` fp32, or bf16/fp16 rounded from fp32), if given, receives the column
-    sums ``x.sum(0)`` -- the bias gradient when x is an output gradient -- from the same read
-    of x, added in an order fixed by the shape: the same bytes every run, on GPU and CPU.
+    ``dbias`` (``[K]`` fp32, or bf16/fp16 rounded from fp32 by torch), if given, receives the
+    column sums ``x.sum(0)`` -- the bias gradient when x is an output gradient -- from the same
+    read of x, added in an order fixed by the shape: the same fp32 bytes every run, on GPU and
+    CPU (torch's 16-bit roundings of NaN differ between the two).
     """
     fmt = Fp8Format.parse(fp8_format)
     row, col, scale_inv = _cast_outputs(x, rowwise, columnwise, scale_inv)
