@@ -16,24 +16,6 @@
 
 namespace tpfp8 {
 
-TPFP8_HD float mul_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-
-TPFP8_HD float div_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
-
-TPFP8_HD float sub_rn(float a, float b) { return add_rn(a, -b); }
-
 TPFP8_HD float abs_f(float x) { return bits_float(float_bits(x) & 0x7FFFFFFFu); }
 
 // Horner's rule over c[0] + c[1] u + ... + c[N-1] u^(N-1).

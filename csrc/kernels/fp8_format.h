@@ -5,6 +5,7 @@
 // hardware conversion instead (see encode_fp8x2); tests check it against this software path.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -58,12 +59,42 @@ TPFP8_HD float bits_float(uint32_t u) {
 #endif
 }
 
-// fp32 add rounded to nearest even, never contracted into an FMA with a neighbouring multiply.
+// fp32 operations rounded to nearest even, never contracted into an FMA with a neighbouring
+// operation nor approximated, on either side (the host compiles with -ffp-contract=off): what
+// lets a CPU reference give a CUDA kernel's bits.
 TPFP8_HD float add_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return __fadd_rn(a, b);
 #else
   return a + b;
+#endif
+}
+TPFP8_HD float sub_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+TPFP8_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+TPFP8_HD float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+TPFP8_HD float sqrt_rn(float a) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(a);
+#else
+  return std::sqrt(a);  // IEEE correctly rounded, as __fsqrt_rn
 #endif
 }
 

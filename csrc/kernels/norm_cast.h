@@ -29,36 +29,6 @@ constexpr int kNormMaxChunks = 8;     // 8-element chunks a lane holds: hidden <
 constexpr int kNormHiddenAlign = 16;  // the FP8 GEMMs' K alignment
 constexpr int64_t kNormMaxHidden = int64_t{kNormLanes} * kNormMaxChunks * 8;
 
-// fp32 operations rounded to nearest even, never contracted or approximated on either side.
-TPFP8_HD float sub_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fsub_rn(a, b);
-#else
-  return a - b;
-#endif
-}
-TPFP8_HD float mul_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-TPFP8_HD float div_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
-TPFP8_HD float sqrt_rn(float a) {
-#if defined(__CUDA_ARCH__)
-  return __fsqrt_rn(a);
-#else
-  return std::sqrt(a);  // IEEE correctly rounded, as __fsqrt_rn
-#endif
-}
-
 // The term a row's second reduction sums: (x - mean)^2 for LayerNorm, x^2 for RMSNorm (whose
 // "mean" is 0 by convention).
 TPFP8_HD float norm_square(float x, float mean, NormType n) {
