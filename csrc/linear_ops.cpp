@@ -16,7 +16,7 @@ thread_local bool forward_vetted = false;
 
 bool in_compiled_backward() {
   const auto node = torch::autograd::get_current_node();
-  return node && node->name().find("CompiledFunction") != std::string::npos;
+  return node && node->name() == "CompiledFunctionBackward";
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_op(

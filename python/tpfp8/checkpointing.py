@@ -18,11 +18,9 @@ A checkpoint is found from what it leaves in place while it runs:
   nothing), and the Function's backward node (``ctx`` itself) as backward's current node.
 
 Checkpoints that leave neither (Megatron's CheckpointWithoutOutput recomputes from a tensor
-hook; a Function with ``setup_context`` has no ctx in forward) are served by the layer's
-"loose" records: its forwards that could be recomputed (no grad, or under saved-tensor hooks)
-but were kept by no checkpoint. A recompute nothing else matches repeats the loose record if
-the recent ones agree (same update, recipe and group: the same computation), and is refused
-if they differ -- never a guess.
+hook; a Function with ``setup_context`` has no ctx in forward) cannot be matched to a forward:
+a layer that has run in FP8 refuses a forward inside backward that nothing matches, rather than
+guess which forward it repeats. (A layer that never ran in FP8, outside fp8_autocast, just runs.)
 """
 import sys
 import weakref
@@ -35,7 +33,6 @@ _FRAME = getattr(torch.utils.checkpoint, "_CheckpointFrame", None)
 _TOP = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 _FWD_GRAD = torch._C._is_fwd_grad_enabled
 _FORWARDS, _CURSORS = "_tpfp8_forwards", "_tpfp8_cursors"  # attributes set on a checkpoint
-_MAX_LOOSE = 8  # distinct loose records kept per layer
 
 
 class Forward(NamedTuple):
@@ -46,25 +43,19 @@ class Forward(NamedTuple):
     amax_group: object
 
 
-class Ambiguous(RuntimeError):
-    """A recompute no checkpoint recorded, with loose records that disagree."""
-
-
 class Checkpoints(NamedTuple):
-    """The checkpoints around a forward: those whose forward is running (innermost first), the
-    one being recomputed with what identifies this recompute run (None: the forward does not
-    run inside backward), and whether saved-tensor hooks are active."""
+    """The checkpoints around a forward: those whose forward is running (innermost first), and
+    the one being recomputed with what identifies this recompute run (None: the forward does
+    not run inside backward)."""
     running: List[object]
     recomputed: Optional[object]
     run: object
-    hooked: bool
 
 
 def around() -> Checkpoints:
     """The checkpoints around the forward being called (never while torch.compile traces)."""
     running, recomputed, run = [], None, None
-    hooks = _pack_hooks()
-    for pack in hooks:
+    for pack in _pack_hooks():
         frame, is_recompute = _frame_of(pack)
         if frame is None:
             continue
@@ -77,52 +68,32 @@ def around() -> Checkpoints:
     if recomputed is None and torch._C._current_graph_task_id() != -1:
         node = torch._C._current_autograd_node()  # a reentrant checkpoint's backward: its ctx
         recomputed, run = (node if node is not None else False), torch._C._current_graph_task_id()
-    return Checkpoints(running, recomputed, run, bool(hooks))
+    return Checkpoints(running, recomputed, run)
 
 
 def record(layer, forward: Forward, checkpoints: Checkpoints) -> None:
-    """Leaves `forward` on each running checkpoint, for its recompute to repeat; a forward that
-    could be recomputed but that no checkpoint keeps is a loose record of the layer."""
+    """Leaves `forward` on each running checkpoint, for its recompute to repeat."""
     for checkpoint in checkpoints.running:
         forwards = checkpoint.__dict__.setdefault(_FORWARDS, {})
         forwards.setdefault(layer, []).append(forward)
-    if not checkpoints.running and (checkpoints.hooked or not torch.is_grad_enabled()) \
-            and not torch.is_inference_mode_enabled():
-        loose = layer.__dict__["_fp8_loose"]
-        loose.pop(forward, None)  # (newest last)
-        loose[forward] = None
-        if len(loose) > _MAX_LOOSE:
-            del loose[next(iter(loose))]
-
-
-def updated(layer) -> None:
-    """After a delayed-scaling update of `layer`: loose records older than the one update a
-    recompute can bridge go, but the newest stays (its recompute then fails clearly)."""
-    loose, now = layer.__dict__["_fp8_loose"], layer._fp8_updates
-    for forward in [f for f in loose if now - f.updates > 1][:len(loose) - 1]:
-        del loose[forward]
 
 
 def repeated(layer, checkpoints: Checkpoints) -> Optional[Forward]:
     """The forward a recompute repeats: the next of the layer's records on the checkpoint being
     recomputed (a layer may run more than once in a block); checkpoints re-made by the
-    recompute (nested ones) get it too, for their own recompute later. Else the loose record
-    if the recent ones agree (Ambiguous if not); None if the layer has none (a forward that
-    merely runs inside backward, e.g. from a hook)."""
+    recompute (nested ones) get it too, for their own recompute later. None where the
+    checkpoint kept no (further) record of the layer."""
     checkpoint = checkpoints.recomputed
     forwards = getattr(checkpoint, "__dict__", {}).get(_FORWARDS, {}).get(layer)
-    if forwards is not None:
-        cursors = checkpoint.__dict__.setdefault(_CURSORS, {})
-        i = cursors.get((layer, checkpoints.run), 0)
-        if i < len(forwards):
-            cursors[(layer, checkpoints.run)] = i + 1
-            record(layer, forwards[i], checkpoints)
-            return forwards[i]
-    loose = list(layer.__dict__["_fp8_loose"])
-    recent = {f for f in loose if layer._fp8_updates - f.updates <= 1} or set(loose[-1:])
-    if len(recent) > 1:
-        raise Ambiguous()
-    return recent.pop() if recent else None
+    if forwards is None:
+        return None
+    cursors = checkpoint.__dict__.setdefault(_CURSORS, {})
+    i = cursors.get((layer, checkpoints.run), 0)
+    if i >= len(forwards):
+        return None
+    cursors[(layer, checkpoints.run)] = i + 1
+    record(layer, forwards[i], checkpoints)
+    return forwards[i]
 
 
 def _pack_hooks() -> list:

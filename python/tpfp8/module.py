@@ -102,7 +102,7 @@ class Linear(nn.Linear):
         # For activation checkpointing (tpfp8.checkpointing): the scales before the last
         # delayed-scaling update (made by the first update) and the number of updates so far.
         self.register_buffer("fp8_scale_prev", None, persistent=False)
-        self._fp8_updates, self._fp8_loose = 0, {}
+        self._fp8_updates, self._fp8_ran_fp8 = 0, False  # (any FP8 forward yet)
         # The cached FP8 weight (is_first_microbatch), made by the first call that fills it.
         for name in ("_fp8_weight_rowwise", "_fp8_weight_columnwise", "_fp8_weight_scale_inv"):
             self.register_buffer(name, None, persistent=False)
@@ -254,15 +254,15 @@ class Linear(nn.Linear):
         sets it again."""
         state = super().__getstate__()  # a copy already
         state["_fp8_amax_group"] = None
-        state["_fp8_loose"] = {}  # (forwards this layer ran, with their groups)
         return state
 
     def __setstate__(self, state) -> None:
         # Pickles of earlier versions: no update count, and per-layer records of forwards for
         # recomputes (now kept by the checkpoints themselves).
         state.setdefault("_fp8_updates", 0)
-        state.setdefault("_fp8_loose", {})
-        for name in ("_fp8_ran", "_fp8_ran_no_grad", "_fp8_replayed", "_fp8_repeating"):
+        state.setdefault("_fp8_ran_fp8", state.get("_fp8_recipe") is not None)
+        for name in ("_fp8_ran", "_fp8_ran_no_grad", "_fp8_replayed", "_fp8_repeating",
+                     "_fp8_loose"):
             state.pop(name, None)
         state.setdefault("_buffers", {}).setdefault("fp8_scale_prev", None)
         super().__setstate__(state)
@@ -275,7 +275,6 @@ class Linear(nn.Linear):
         for group in (self.tp_group, self._fp8_amax_group):
             if group is not None:
                 memo[id(group)] = group
-        memo[id(self._fp8_loose)] = {}  # (a copy has run no forward a recompute repeats)
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         new.__setstate__(copy.deepcopy(super().__getstate__(), memo))
@@ -392,6 +391,8 @@ class Linear(nn.Linear):
             self._commit(call, param, frame, recompute)
             if checkpoints is not None and not recompute:
                 _checkpointing.record(self, self._forward_record(frame), checkpoints)
+                if recipe is not None and not self._fp8_ran_fp8:
+                    self._fp8_ran_fp8 = True
         return (y, bias_out) if config.return_bias else y
 
     def _prepare(self, config, recipe, frame, x, param, is_first_microbatch,
@@ -464,20 +465,21 @@ class Linear(nn.Linear):
         return _checkpointing.Forward(self._fp8_updates, frame["recipe"], frame["amax_group"])
 
     def _repeated(self, checkpoints) -> Optional["_checkpointing.Forward"]:
-        """The forward a checkpoint's recompute repeats; None for a forward that is not one
-        (outside backward, or merely run inside it, e.g. from a hook)."""
+        """The forward a checkpoint's recompute repeats; None for a forward outside backward,
+        or inside it in a layer that never ran in FP8 and is not in FP8 now (it just runs)."""
         if checkpoints is None or checkpoints.recomputed is None:
             return None
-        try:
-            return _checkpointing.repeated(self, checkpoints)
-        except _checkpointing.Ambiguous:
-            raise RuntimeError(
-                f"tpfp8.Linear {self.name or ''} is recomputed by a checkpoint that does not "
-                f"say which forward it repeats (not torch.utils.checkpoint or an "
-                f"autograd.Function with ctx in forward), and its recent forwards differ "
-                f"(recipe, amax group or delayed-scaling update), so it cannot tell which FP8 "
-                f"forward to repeat. Checkpoint with torch.utils.checkpoint (reentrant or not) "
-                f"or tpfp8.checkpoint") from None
+        repeated = _checkpointing.repeated(self, checkpoints)
+        if repeated is not None or (not self._fp8_ran_fp8 and _autocast.current() is None):
+            return repeated
+        raise RuntimeError(
+            f"tpfp8.Linear {self.name or ''} ran inside a backward pass, but not as the "
+            f"recompute of an activation checkpoint it can match to its forward, so it cannot "
+            f"tell which FP8 forward (recipe, scales) to repeat. Checkpoint with "
+            f"torch.utils.checkpoint (reentrant or not), tpfp8.checkpoint, or an "
+            f"autograd.Function whose forward(ctx, ...) runs the block and whose backward "
+            f"recomputes it (not from a tensor hook); and call tpfp8 layers in FP8 from "
+            f"backward hooks only through such a checkpoint")
 
     @staticmethod
     def _recompute_frame(repeated) -> Optional[dict]:

@@ -9,7 +9,6 @@ from typing import Iterable
 import torch
 
 from . import _C
-from . import checkpointing as _checkpointing
 from .recipe import CurrentScaling, DelayedScaling
 
 _FORWARD, _BACKWARD = slice(0, 2), slice(2, 3)  # of scale and scale_inv: input, weight | grad
@@ -176,5 +175,4 @@ def _with_previous(layer, state: dict) -> torch.Tensor:
         with torch.inference_mode(False):
             state["fp8_scale_prev"] = torch.empty_like(scale)
     layer._fp8_updates += 1
-    _checkpointing.updated(layer)
     return scale
