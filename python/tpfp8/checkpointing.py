@@ -44,10 +44,11 @@ class Forward(NamedTuple):
 
 
 class Checkpoints(NamedTuple):
-    """The checkpoints around a forward: those whose forward is running (innermost first), and
-    the one being recomputed with what identifies this recompute run (None: the forward does
-    not run inside backward)."""
+    """The checkpoints around a forward: those whose forward is running (innermost first);
+    whether it runs inside backward, and then the checkpoint being recomputed (if one is seen)
+    with what identifies this recompute run."""
     running: List[object]
+    in_backward: bool
     recomputed: Optional[object]
     run: object
 
@@ -65,10 +66,13 @@ def around() -> Checkpoints:
         running.append(frame)
     if not torch.is_grad_enabled() and not _FWD_GRAD() and not torch.is_inference_mode_enabled():
         running.extend(_functions_running())
-    if recomputed is None and torch._C._current_graph_task_id() != -1:
-        node = torch._C._current_autograd_node()  # a reentrant checkpoint's backward: its ctx
-        recomputed, run = (node if node is not None else False), torch._C._current_graph_task_id()
-    return Checkpoints(running, recomputed, run)
+    if recomputed is not None:
+        return Checkpoints(running, True, recomputed, run)
+    task = torch._C._current_graph_task_id()
+    if task == -1:
+        return Checkpoints(running, False, None, None)
+    # A reentrant checkpoint's backward: backward's current node is its ctx.
+    return Checkpoints(running, True, torch._C._current_autograd_node(), task)
 
 
 def record(layer, forward: Forward, checkpoints: Checkpoints) -> None:

@@ -373,7 +373,7 @@ class Linear(nn.Linear):
         call = self._prepare(config, recipe, frame, x, param, is_first_microbatch, repeated)
         a = call.args
         scale, _, amax_history, grad_amax_history = call.state or (None,) * len(_STATE)
-        vetted = checkpoints is not None and checkpoints.recomputed is not None
+        vetted = checkpoints is not None and checkpoints.in_backward
         if vetted:  # inside backward: the op refuses forwards the module did not check
             _C.set_forward_vetted(True)
         try:
@@ -467,7 +467,7 @@ class Linear(nn.Linear):
     def _repeated(self, checkpoints) -> Optional["_checkpointing.Forward"]:
         """The forward a checkpoint's recompute repeats; None for a forward outside backward,
         or inside it in a layer that never ran in FP8 and is not in FP8 now (it just runs)."""
-        if checkpoints is None or checkpoints.recomputed is None:
+        if checkpoints is None or not checkpoints.in_backward:
             return None
         repeated = _checkpointing.repeated(self, checkpoints)
         if repeated is not None or (not self._fp8_ran_fp8 and _autocast.current() is None):
