@@ -172,6 +172,15 @@ void activation_backward_amax(const at::Tensor& grad, const at::Tensor& input, a
   amax_pass(&grad, input, amax, activation);
 }
 
+void activation_high_precision(const at::Tensor* grad, const at::Tensor& input, at::Tensor& out,
+                               int64_t activation) {
+  ActivationCastParams p = activation_params(grad, input, activation);
+  check_output(out, grad ? "grad_input" : "out", {p.rows, p.out_cols()}, input.scalar_type(),
+               input);
+  p.out = out.data_ptr();
+  run(p, input);
+}
+
 TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
   m.def(
       "activation_cast(Tensor input, Tensor scale, Tensor(a!)? rowwise, Tensor(b!)? columnwise, "

@@ -35,6 +35,9 @@ void activation_backward_cast_current(const at::Tensor& grad, const at::Tensor& 
                                       const OptTensor& rowwise, const OptTensor& columnwise,
                                       const OptTensor& grad_input, const OptTensor& scale_inv,
                                       int64_t activation, int64_t fp8_format);
+// act(x) (grad null) or dx = dy * act'(x) (grad: dy) in x's dtype alone, into `out`.
+void activation_high_precision(const at::Tensor* grad, const at::Tensor& input, at::Tensor& out,
+                               int64_t activation);
 void activation_backward_amax(const at::Tensor& grad, const at::Tensor& input, at::Tensor& amax,
                               int64_t activation);
 

@@ -54,6 +54,12 @@ PYBIND11_MODULE(_C, m) {
       .value("NONE", ParallelMode::kNone)
       .value("COLUMN", ParallelMode::kColumn)
       .value("ROW", ParallelMode::kRow);
+  py::enum_<Prologue>(m, "Prologue")
+      .value("NONE", Prologue::kNone)
+      .value("LAYER_NORM", Prologue::kLayerNorm)
+      .value("RMS_NORM", Prologue::kRMSNorm)
+      .value("GELU", Prologue::kGelu)
+      .value("SWIGLU", Prologue::kSwiGLU);
   // The Linear itself is torch.ops.tpfp8.linear_forward / linear_backward (linear_ops.cpp).
   m.def(
       "check_linear_forward",
@@ -62,11 +68,14 @@ PYBIND11_MODULE(_C, m) {
          const OptTensor& cache_columnwise, const OptTensor& cache_scale_inv,
          const OptTensor& main_grad, int64_t scaling, int64_t fwd_format, int64_t grad_format,
          double epsilon, int64_t weight_cache, bool save_original_input, int64_t parallel_mode,
-         bool sequence_parallel, const std::string& group_name, std::vector<int64_t> debug) {
+         bool sequence_parallel, const std::string& group_name, std::vector<int64_t> debug,
+         const OptTensor& prologue_weight, const OptTensor& prologue_bias, int64_t prologue,
+         double prologue_eps) {
         checked_forward_call(x, weight, bias, scale, amax_history, cache_rowwise, cache_columnwise,
                              cache_scale_inv, main_grad, scaling, fwd_format, grad_format, epsilon,
                              weight_cache, save_original_input, parallel_mode, sequence_parallel,
-                             group_name, debug);
+                             group_name, debug, prologue_weight, prologue_bias, prologue,
+                             prologue_eps);
       },
       "Raises ValueError unless linear_forward can run these arguments (its fake kernel's check)");
   m.def(

@@ -106,13 +106,15 @@ at::Tensor nothing(const at::Tensor& like, at::ScalarType dtype) {
 // ValueError that says what was given and how to fix it.
 void check_inputs(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
                   const LinearConfig& c, const DelayedState& state, const WeightCacheBuffers& cache,
-                  const OptTensor& main_grad) {
+                  const OptTensor& main_grad, const PrologueArgs& prologue) {
   TORCH_CHECK_VALUE(weight.dim() == 2, "Linear weight must be 2-D [out, in], got ", weight.sizes());
-  const int64_t n = weight.size(0), k = weight.size(1);
+  const int64_t n = weight.size(0), k = weight.size(1), k_in = prologue.input_cols(k);
   const bool row = c.parallel_mode == ParallelMode::kRow;
-  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == k, "Linear expects input [..., in_features=", k,
-                    row ? " per rank" : "", "], got shape ", x.sizes(),
-                    "; the last dimension must be in_features");
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == k_in, "Linear expects input [..., ",
+                    k_in == k ? "in_features=" : "2 x in_features=", k_in, row ? " per rank" : "",
+                    "], got shape ", x.sizes(), "; the last dimension must be ",
+                    k_in == k ? "in_features" : "2 x in_features (SwiGLU's [gate | up])");
+  check_prologue(prologue, x, k, row);
   const auto float_type = [](const at::Tensor& t) {
     const at::ScalarType d = t.scalar_type();
     return d == at::kFloat || d == at::kBFloat16 || d == at::kHalf;
@@ -282,17 +284,72 @@ Prepared input_for_wgrad(const at::Tensor& x_saved, const at::Tensor& x_gathered
   return {at::Tensor(), saved};
 }
 
+// 1'. With a prologue: its kernel writes the FP8 input (this rank's rows under column-parallel
+//     SP, gathered as FP8 bytes) where the recipe allows, else its high-precision output goes
+//     the usual way. The output is kept where backward or the caller needs it.
+Prepared prepare_prologue_input(const at::Tensor& x, int64_t k, const LinearConfig& c,
+                                const Quantizer* q, const PrologueArgs& prologue, bool keep_output,
+                                bool need_wgrad, ForwardResult& out) {
+  at::Tensor x2 = as_matrix(x, prologue.input_cols(k));
+  if (reinterpret_cast<uintptr_t>(x2.data_ptr()) % 16 != 0) x2 = x2.clone();  // vector loads
+  PrologueStats stats;
+  Prepared in;
+  // Debugging needs the values and save_original_input re-quantizes them in backward: both
+  // from the high-precision output, so that every usage comes from the same values.
+  if (!c.fp8() || c.debug.active || c.save_original_input) {
+    const at::Tensor y = prologue_high_precision(x2, prologue, stats);
+    in = prepare_input(y, c, q, need_wgrad, out);
+    if (keep_output || saves_hp_input(c)) out.x_hp = y;
+  } else {
+    const bool gather = gathers_input(c);
+    if (keep_output) out.x_hp = at::empty({x2.size(0), k}, x2.options());
+    const FusedCast fused = fused_prologue(x2, prologue, stats, out.x_hp);
+    in.q = q->quantize_fused(fused, true, need_wgrad && !gather,
+                             gather ? c.tp_group : ProcessGroupPtr());
+    if (gather) {
+      if (need_wgrad) out.x_fp8 = in.q.rowwise;  // this rank's rows, re-gathered in backward
+      in.q.rowwise = all_gather_rows(in.q.rowwise, *c.tp_group);
+    } else if (need_wgrad) {
+      out.x_fp8 = in.q.columnwise;
+    }
+    out.x_scale_inv = in.q.scale_inv;
+  }
+  out.mean = stats.mean;
+  out.rstd = stats.rstd;
+  return in;
+}
+
+// 5'. With a prologue: its backward from dgrad's output (and the gradient of its output where
+//     the module returned it); a norm's weight gradients are summed over the group when each
+//     rank normalized its own rows (column-parallel SP).
+void prologue_grads(Grads& out, const SavedForBackward& s, const LinearConfig& c, int64_t k) {
+  at::Tensor dy = out.dx;
+  if (s.prologue_output_grad.defined()) dy = dy + as_matrix(s.prologue_output_grad, k);
+  const at::Tensor x = as_matrix(s.prologue_input, s.prologue.input_cols(k));
+  PrologueGrads g = prologue_backward(dy.contiguous(), x, s.prologue, s.stats);
+  if (s.prologue.norm() && gathers_input(c)) {
+    all_reduce(g.dweight, *c.tp_group, c10d::ReduceOp::SUM);
+    if (s.prologue.bias) all_reduce(g.dbias, *c.tp_group, c10d::ReduceOp::SUM);
+  }
+  out.dx = shaped(g.dx, s.prologue_input.sizes());
+  out.dprologue_weight = g.dweight;
+  if (s.prologue.bias) out.dprologue_bias = g.dbias;
+}
+
 }  // namespace
 
 ForwardResult linear_forward(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
                              const LinearConfig& c, const DelayedState& state,
-                             const WeightCacheBuffers& cache, bool need_dgrad, bool need_wgrad) {
+                             const WeightCacheBuffers& cache, bool need_dgrad, bool need_wgrad,
+                             const PrologueArgs& prologue, bool keep_prologue_output) {
   const int64_t n = weight.size(0), k = weight.size(1);
-  const at::Tensor x2 = as_matrix(x, k);
   ForwardResult out;
   const auto xq = make_quantizer(c, state, kInput), wq = make_quantizer(c, state, kWeight);
-  // 1. The input of fprop: quantized, and gathered along rows under column-parallel SP.
-  const Prepared in = prepare_input(x2, c, xq.get(), need_wgrad, out);
+  // 1. The input of fprop: quantized (after any prologue, or by its kernel), and gathered along
+  //    rows under column-parallel SP.
+  const Prepared in = prologue.any() ? prepare_prologue_input(x, k, c, xq.get(), prologue,
+                                                              keep_prologue_output, need_wgrad, out)
+                                     : prepare_input(as_matrix(x, k), c, xq.get(), need_wgrad, out);
   // 2. The weight: FP8 row-wise for fprop (+ column-wise for dgrad), or the cache's.
   Prepared w{weight, {}};
   if (c.fp8()) {
@@ -327,8 +384,15 @@ ForwardResult linear_forward(const at::Tensor& x, const at::Tensor& weight, cons
   for (at::Tensor* t : {&out.x_fp8, &out.w_fp8}) {
     if (!t->defined()) *t = nothing(x, at::kByte);
   }
-  for (at::Tensor* t : {&out.x_scale_inv, &out.w_scale_inv}) {
+  for (at::Tensor* t : {&out.x_scale_inv, &out.w_scale_inv, &out.mean, &out.rstd}) {
     if (!t->defined()) *t = nothing(x, at::kFloat);
+  }
+  if (out.x_hp.defined()) {
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.back() = k;
+    out.x_hp = shaped(out.x_hp, shape);
+  } else {
+    out.x_hp = nothing(x, x.scalar_type());
   }
   return out;
 }
@@ -387,7 +451,11 @@ Grads linear_backward(const at::Tensor& dy_in, const SavedForBackward& s, const 
     if (!main_grad) out.dw = dw;
   }
   wait(dx_work);
-  if (out.dx.defined()) out.dx = shaped(out.dx, s.x_shape);
+  if (out.dx.defined() && s.prologue.any()) {
+    prologue_grads(out, s, c, k);
+  } else if (out.dx.defined()) {
+    out.dx = shaped(out.dx, s.x_shape);
+  }
   // 5. db: the local sum (step 2's, or here where dy had no FP8 cast); under row-parallel SP
   //    each rank holds part of the rows of dy.
   if (bias_dtype) {
@@ -395,7 +463,8 @@ Grads linear_backward(const at::Tensor& dy_in, const SavedForBackward& s, const 
     if (gathers_grad(c)) all_reduce(db, *c.tp_group, c10d::ReduceOp::SUM);
     out.db = db.to(*bias_dtype);
   }
-  for (at::Tensor* t : {&out.dx, &out.dw, &out.db}) {  // (as forward's: ops return tensors)
+  // (As forward's: ops return tensors.)
+  for (at::Tensor* t : {&out.dx, &out.dw, &out.db, &out.dprologue_weight, &out.dprologue_bias}) {
     if (!t->defined()) *t = nothing(dy, dy.scalar_type());
   }
   return out;

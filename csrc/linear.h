@@ -12,6 +12,10 @@
 //             W.main_grad or dW
 //             db = sum over M of dy              (fused into dy's cast where dy has one)
 //
+// A fused module's Linear runs a prologue (a norm, an activation) on its input first; in FP8
+// (not debugging, not save_original_input) the prologue's kernel writes the FP8 input itself,
+// and backward runs the prologue's backward on dgrad's output.
+//
 // Forward returns what backward needs: the column-wise FP8 input (1 byte per element) and the
 // column-wise FP8 weight; with save_original_input (or debugging) the caller keeps the
 // high-precision input instead, re-quantized in backward. Outside FP8 the same three GEMMs run
@@ -27,6 +31,7 @@
 #include "comm.h"
 #include "debug_quantizer.h"
 #include "ops.h"
+#include "prologue.h"
 #include "quantizer.h"
 
 namespace tpfp8 {
@@ -78,7 +83,7 @@ struct WeightCacheBuffers {
 // Raises ValueError (what was given, how to fix it) unless the forward can run these arguments.
 void check_inputs(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
                   const LinearConfig& c, const DelayedState& state, const WeightCacheBuffers& cache,
-                  const OptTensor& main_grad);
+                  const OptTensor& main_grad, const PrologueArgs& prologue = {});
 
 // The forward op's arguments as the C++ forward takes them, checked (check_inputs). The op
 // and its fake kernel (for torch.compile and the meta device) both call this.
@@ -86,16 +91,17 @@ struct ForwardCall {
   LinearConfig c;
   DelayedState state;
   WeightCacheBuffers cache;
+  PrologueArgs prologue;
 };
-ForwardCall checked_forward_call(const at::Tensor& x, const at::Tensor& weight,
-                                 const OptTensor& bias, const OptTensor& scale,
-                                 const OptTensor& amax_history, const OptTensor& cache_rowwise,
-                                 const OptTensor& cache_columnwise,
-                                 const OptTensor& cache_scale_inv, const OptTensor& main_grad,
-                                 int64_t scaling, int64_t fwd_format, int64_t grad_format,
-                                 double epsilon, int64_t weight_cache, bool save_original_input,
-                                 int64_t parallel_mode, bool sequence_parallel,
-                                 const std::string& group_name, at::IntArrayRef debug);
+ForwardCall checked_forward_call(
+    const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, const OptTensor& scale,
+    const OptTensor& amax_history, const OptTensor& cache_rowwise,
+    const OptTensor& cache_columnwise, const OptTensor& cache_scale_inv, const OptTensor& main_grad,
+    int64_t scaling, int64_t fwd_format, int64_t grad_format, double epsilon, int64_t weight_cache,
+    bool save_original_input, int64_t parallel_mode, bool sequence_parallel,
+    const std::string& group_name, at::IntArrayRef debug,
+    const OptTensor& prologue_weight = std::nullopt, const OptTensor& prologue_bias = std::nullopt,
+    int64_t prologue = 0, double prologue_eps = 0.0);
 
 struct ForwardResult {
   at::Tensor y;
@@ -104,10 +110,15 @@ struct ForwardResult {
   at::Tensor x_fp8, x_scale_inv;
   // For dgrad: the column-wise FP8 weight [K, N] (empty when cached: the cache is the copy).
   at::Tensor w_fp8, w_scale_inv;
+  // With a prologue: its output, the Linear's high-precision input (shaped as x, the last
+  // dimension in_features), where backward keeps it or `keep_prologue_output` asks for it; a
+  // norm's per-row mean (LayerNorm) and rstd. Empty otherwise.
+  at::Tensor x_hp, mean, rstd;
 };
 ForwardResult linear_forward(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
                              const LinearConfig& c, const DelayedState& state,
-                             const WeightCacheBuffers& cache, bool need_dgrad, bool need_wgrad);
+                             const WeightCacheBuffers& cache, bool need_dgrad, bool need_wgrad,
+                             const PrologueArgs& prologue = {}, bool keep_prologue_output = false);
 
 // What forward kept, as backward takes it.
 struct SavedForBackward {
@@ -115,10 +126,18 @@ struct SavedForBackward {
   at::Tensor x_fp8, x_scale_inv, w_fp8, w_scale_inv;
   std::vector<int64_t> x_shape;
   at::ScalarType x_dtype;
+  // With a prologue: its input (dx is its gradient, of its shape), args and norm statistics;
+  // `prologue_output_grad`, if defined, adds to the gradient of its output (a norm output the
+  // module also returned).
+  at::Tensor prologue_input;
+  PrologueArgs prologue;
+  PrologueStats stats;
+  at::Tensor prologue_output_grad;
 };
 struct Grads {
-  // Empty placeholders where not asked for (dw: also when fused into main_grad).
-  at::Tensor dx, dw, db;
+  // Empty placeholders where not asked for (dw: also when fused into main_grad; the
+  // prologue's weight and bias gradients without a norm).
+  at::Tensor dx, dw, db, dprologue_weight, dprologue_bias;
 };
 // main_grad, when given, receives wgrad (overwritten or accumulated); else dW is returned.
 Grads linear_backward(const at::Tensor& dy, const SavedForBackward& saved, const at::Tensor& weight,

@@ -13,15 +13,19 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-using ForwardOp = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+using ForwardOp = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                             at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&,
     const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, int64_t, int64_t,
-    int64_t, double, int64_t, bool, int64_t, bool, c10::string_view, at::IntArrayRef, bool, bool);
-using BackwardOp = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    int64_t, double, int64_t, bool, int64_t, bool, c10::string_view, at::IntArrayRef, bool, bool,
+    const OptTensor&, const OptTensor&, int64_t, double, bool);
+using BackwardOp = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const OptTensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&,
     bool, int64_t, int64_t, int64_t, double, bool, int64_t, bool, c10::string_view, at::IntArrayRef,
-    c10::SymIntArrayRef, at::ScalarType, std::optional<at::ScalarType>, bool, bool);
+    c10::SymIntArrayRef, at::ScalarType, std::optional<at::ScalarType>, bool, bool,
+    const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
+    int64_t, const OptTensor&);
 
 const c10::TypedOperatorHandle<ForwardOp>& forward_op() {
   static const auto op = c10::Dispatcher::singleton()
@@ -43,82 +47,132 @@ struct Config {
   bool save_original_input, sequence_parallel, main_grad_overwrite, saves_input;
   std::string group_name;
   std::vector<int64_t> debug;
+  int64_t prologue = 0;  // (a fused module's norm or activation, prologue.h)
+  double prologue_eps = 0.0;
+  bool keep_prologue_output = false;
 };
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_forward(
-    const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, const OptTensor& scale,
-    const OptTensor& amax_history, const OptTensor& replay, const OptTensor& cache_rowwise,
-    const OptTensor& cache_columnwise, const OptTensor& cache_scale_inv, const OptTensor& main_grad,
-    const Config& c, bool need_dgrad, bool need_wgrad) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+           at::Tensor>
+run_forward(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
+            const OptTensor& scale, const OptTensor& amax_history, const OptTensor& replay,
+            const OptTensor& cache_rowwise, const OptTensor& cache_columnwise,
+            const OptTensor& cache_scale_inv, const OptTensor& main_grad,
+            const OptTensor& prologue_weight, const OptTensor& prologue_bias, const Config& c,
+            bool need_dgrad, bool need_wgrad) {
   // A checkpoint's recompute casts with its first forward's scales and records no amax.
-  return forward_op().call(x, weight, bias, replay ? replay : scale,
-                           replay ? OptTensor() : amax_history, cache_rowwise, cache_columnwise,
-                           cache_scale_inv, main_grad, c.scaling, c.fwd_format, c.grad_format,
-                           c.epsilon, c.weight_cache, c.save_original_input, c.parallel_mode,
-                           c.sequence_parallel, c.group_name, c.debug, need_dgrad, need_wgrad);
+  return forward_op().call(
+      x, weight, bias, replay ? replay : scale, replay ? OptTensor() : amax_history, cache_rowwise,
+      cache_columnwise, cache_scale_inv, main_grad, c.scaling, c.fwd_format, c.grad_format,
+      c.epsilon, c.weight_cache, c.save_original_input, c.parallel_mode, c.sequence_parallel,
+      c.group_name, c.debug, need_dgrad, need_wgrad, prologue_weight, prologue_bias, c.prologue,
+      c.prologue_eps, c.keep_prologue_output);
 }
 
 struct Saved : torch::CustomClassHolder {
   Config c;
-  OptTensor scale, grad_amax_history, main_grad;
+  OptTensor scale, grad_amax_history, main_grad, prologue_bias;
   std::vector<c10::SymInt> x_shape;
   at::ScalarType x_dtype;
   std::optional<at::ScalarType> bias_dtype;
   bool need_dx = false, need_dw = false, need_db = false;  // (optional inputs shift indices)
+  bool need_dprologue_weight = false, need_dprologue_bias = false;
+  bool need_dgrad() const { return need_dx || need_dprologue_weight || need_dprologue_bias; }
 };
 
-constexpr size_t kInputs = 14;  // forward's arguments after ctx: a gradient (or none) each
+constexpr size_t kInputs = 16;  // forward's arguments after ctx: a gradient (or none) each
+constexpr size_t kPrologueWeight = 11, kPrologueBias = 12;  // (their indices among them)
+
+// What forward saves, by position: the high-precision input of the GEMMs (or nothing), the FP8
+// input and weight, the weight, and a prologue's input, weight and statistics.
+enum SavedIndex : size_t {
+  kX,
+  kXFp8,
+  kXScaleInv,
+  kWeight,
+  kWFp8,
+  kWScaleInv,
+  kPrologueInput,
+  kPrologueWeightSaved,
+  kMean,
+  kRstd
+};
+
+OptTensor saved_or_none(const variable_list& saved, size_t i, bool wanted = true) {
+  return wanted && saved[i].defined() ? OptTensor(saved[i]) : std::nullopt;
+}
 
 struct LinearAutograd : torch::autograd::Function<LinearAutograd> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const OptTensor& bias, const OptTensor& scale,
-                            const OptTensor& amax_history, const OptTensor& grad_amax_history,
-                            const OptTensor& replay, const OptTensor& cache_rowwise,
-                            const OptTensor& cache_columnwise, const OptTensor& cache_scale_inv,
-                            const OptTensor& main_grad, Config c, bool need_dgrad,
-                            bool need_wgrad) {
-    auto [y, x_fp8, x_scale_inv, w_fp8, w_scale_inv] =
-        run_forward(x, weight, bias, scale, amax_history, replay, cache_rowwise, cache_columnwise,
-                    cache_scale_inv, main_grad, c, need_dgrad, need_wgrad);
+  // (y, the prologue's output where asked for, else empty)
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                               const OptTensor& bias, const OptTensor& scale,
+                               const OptTensor& amax_history, const OptTensor& grad_amax_history,
+                               const OptTensor& replay, const OptTensor& cache_rowwise,
+                               const OptTensor& cache_columnwise, const OptTensor& cache_scale_inv,
+                               const OptTensor& main_grad, const OptTensor& prologue_weight,
+                               const OptTensor& prologue_bias, Config c, bool need_dgrad,
+                               bool need_wgrad) {
+    auto [y, x_fp8, x_scale_inv, w_fp8, w_scale_inv, x_hp, mean, rstd] = run_forward(
+        x, weight, bias, scale, amax_history, replay, cache_rowwise, cache_columnwise,
+        cache_scale_inv, main_grad, prologue_weight, prologue_bias, c, need_dgrad, need_wgrad);
     if (c.weight_cache != 0) {  // the cache is backward's FP8 weight
       w_fp8 = *cache_columnwise;
       w_scale_inv = *cache_scale_inv;
     }
-    ctx->save_for_backward(
-        {c.saves_input ? x : at::Tensor(), x_fp8, x_scale_inv, weight, w_fp8, w_scale_inv});
+    const bool prologue = c.prologue != 0;
+    const at::Tensor gemm_input = prologue ? x_hp : x;
+    ctx->save_for_backward({c.saves_input ? gemm_input : at::Tensor(), x_fp8, x_scale_inv, weight,
+                            w_fp8, w_scale_inv, prologue ? x : at::Tensor(),
+                            prologue_weight.value_or(at::Tensor()), mean, rstd});
     auto s = c10::make_intrusive<Saved>();
-    s->c = std::move(c);
     s->scale = scale;
     s->grad_amax_history = grad_amax_history;
     s->main_grad = main_grad;
-    s->x_shape = x.sym_sizes().vec();
+    s->prologue_bias = prologue_bias;
+    if (prologue) {  // (the GEMMs' input is the prologue's output: in_features wide)
+      s->x_shape = x.sym_sizes().vec();
+      s->x_shape.back() = weight.sym_size(1);
+    } else {
+      s->x_shape = x.sym_sizes().vec();
+    }
     s->x_dtype = x.scalar_type();
     if (bias) s->bias_dtype = bias->scalar_type();
     s->need_dx = x.requires_grad();
     s->need_dw = weight.requires_grad();
     s->need_db = bias && bias->requires_grad();
+    s->need_dprologue_weight = prologue_weight && prologue_weight->requires_grad();
+    s->need_dprologue_bias = prologue_bias && prologue_bias->requires_grad();
+    if (!c.keep_prologue_output) ctx->mark_non_differentiable({x_hp});
+    s->c = std::move(c);
     ctx->saved_data["s"] = c10::IValue::make_capsule(s);
-    return y;
+    return {y, x_hp};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = c10::static_intrusive_pointer_cast<Saved>(ctx->saved_data["s"].toCapsule());
     const auto saved = ctx->get_saved_variables();
     const Config& c = s->c;
-    const bool need_dx = s->need_dx, need_dw = s->need_dw, need_db = s->need_db;
     // Grad mode on inside backward means create_graph=True (double backward).
     if (at::GradMode::is_enabled()) return differentiable_backward(grads[0], saved, *s);
-    const OptTensor x = saved[0].defined() ? OptTensor(saved[0]) : std::nullopt;
-    auto [dx, dw, db] = backward_op().call(
-        grads[0], x, saved[1], saved[2], saved[3], saved[4], saved[5], s->scale,
-        s->grad_amax_history, s->main_grad, c.main_grad_overwrite, c.scaling, c.fwd_format,
-        c.grad_format, c.epsilon, c.save_original_input, c.parallel_mode, c.sequence_parallel,
-        c.group_name, c.debug, s->x_shape, s->x_dtype, need_db ? s->bias_dtype : std::nullopt,
-        need_dx, need_dw || s->main_grad.has_value());
+    const OptTensor output_grad =
+        c.keep_prologue_output && grads[1].defined() ? OptTensor(grads[1]) : std::nullopt;
+    auto [dx, dw, db, dpw, dpb] = backward_op().call(
+        grads[0], saved_or_none(saved, kX), saved[kXFp8], saved[kXScaleInv], saved[kWeight],
+        saved[kWFp8], saved[kWScaleInv], s->scale, s->grad_amax_history, s->main_grad,
+        c.main_grad_overwrite, c.scaling, c.fwd_format, c.grad_format, c.epsilon,
+        c.save_original_input, c.parallel_mode, c.sequence_parallel, c.group_name, c.debug,
+        s->x_shape, s->x_dtype, s->need_db ? s->bias_dtype : std::nullopt, s->need_dgrad(),
+        s->need_dw || s->main_grad.has_value(), saved_or_none(saved, kPrologueInput),
+        saved_or_none(saved, kPrologueWeightSaved), s->prologue_bias,
+        saved_or_none(saved, kMean, c.prologue == static_cast<int64_t>(Prologue::kLayerNorm)),
+        saved_or_none(saved, kRstd, prologue_args(c.prologue, {}, {}, 0.0).norm()), c.prologue,
+        output_grad);
     variable_list out(kInputs);
-    if (need_dx) out[0] = dx;
-    if (need_dw && !s->main_grad) out[1] = dw;
-    if (need_db) out[2] = db;
+    if (s->need_dx) out[0] = dx;
+    if (s->need_dw && !s->main_grad) out[1] = dw;
+    if (s->need_db) out[2] = db;
+    if (s->need_dprologue_weight) out[kPrologueWeight] = dpw;
+    if (s->need_dprologue_bias) out[kPrologueBias] = dpb;
     return out;
   }
 
@@ -133,11 +187,13 @@ struct LinearAutograd : torch::autograd::Function<LinearAutograd> {
 variable_list LinearAutograd::differentiable_backward(const at::Tensor& dy,
                                                       const variable_list& saved, const Saved& s) {
   const Config& c = s.c;
-  TORCH_CHECK(c.scaling == 0 && c.parallel_mode == 0 && !s.main_grad,
+  TORCH_CHECK(c.scaling == 0 && c.parallel_mode == 0 && !s.main_grad && c.prologue == 0,
               "tpfp8.Linear supports double backward (create_graph=True) only in high "
-              "precision on one device without fuse_wgrad_accumulation; this call used ",
+              "precision on one device without fuse_wgrad_accumulation, and not in the fused "
+              "modules; this call used ",
               c.scaling != 0         ? "FP8"
               : c.parallel_mode != 0 ? "tensor parallelism"
+              : c.prologue != 0      ? "a fused norm or activation"
                                      : "fuse_wgrad_accumulation",
               ". Run the layer outside fp8_autocast (and unsplit) for a gradient penalty");
   const at::Tensor &x = saved[0], &weight = saved[3];
@@ -151,16 +207,17 @@ variable_list LinearAutograd::differentiable_backward(const at::Tensor& dy,
 
 // The op's kernel: with autograd (the Autograd key) or without (inference mode: the forward op).
 template <bool kAutograd>
-at::Tensor linear_kernel(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
-                         const OptTensor& scale, const OptTensor& amax_history,
-                         const OptTensor& grad_amax_history, const OptTensor& replay,
-                         const OptTensor& cache_rowwise, const OptTensor& cache_columnwise,
-                         const OptTensor& cache_scale_inv, const OptTensor& main_grad,
-                         int64_t scaling, int64_t fwd_format, int64_t grad_format, double epsilon,
-                         int64_t weight_cache, bool save_original_input, int64_t parallel_mode,
-                         bool sequence_parallel, c10::string_view group_name, at::IntArrayRef debug,
-                         bool main_grad_overwrite, bool saves_input, bool need_dgrad,
-                         bool need_wgrad) {
+std::tuple<at::Tensor, at::Tensor> linear_kernel(
+    const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, const OptTensor& scale,
+    const OptTensor& amax_history, const OptTensor& grad_amax_history, const OptTensor& replay,
+    const OptTensor& cache_rowwise, const OptTensor& cache_columnwise,
+    const OptTensor& cache_scale_inv, const OptTensor& main_grad, int64_t scaling,
+    int64_t fwd_format, int64_t grad_format, double epsilon, int64_t weight_cache,
+    bool save_original_input, int64_t parallel_mode, bool sequence_parallel,
+    c10::string_view group_name, at::IntArrayRef debug, bool main_grad_overwrite, bool saves_input,
+    bool need_dgrad, bool need_wgrad, const OptTensor& prologue_weight,
+    const OptTensor& prologue_bias, int64_t prologue, double prologue_eps,
+    bool keep_prologue_output) {
   Config c{scaling,
            fwd_format,
            grad_format,
@@ -172,14 +229,21 @@ at::Tensor linear_kernel(const at::Tensor& x, const at::Tensor& weight, const Op
            main_grad_overwrite,
            saves_input,
            std::string(group_name),
-           debug.vec()};
+           debug.vec(),
+           prologue,
+           prologue_eps,
+           keep_prologue_output};
   if constexpr (kAutograd) {
-    return LinearAutograd::apply(x, weight, bias, scale, amax_history, grad_amax_history, replay,
-                                 cache_rowwise, cache_columnwise, cache_scale_inv, main_grad,
-                                 std::move(c), need_dgrad, need_wgrad);
+    const variable_list y =
+        LinearAutograd::apply(x, weight, bias, scale, amax_history, grad_amax_history, replay,
+                              cache_rowwise, cache_columnwise, cache_scale_inv, main_grad,
+                              prologue_weight, prologue_bias, std::move(c), need_dgrad, need_wgrad);
+    return {y[0], y[1]};
   }
-  return std::get<0>(run_forward(x, weight, bias, scale, amax_history, replay, cache_rowwise,
-                                 cache_columnwise, cache_scale_inv, main_grad, c, false, false));
+  const auto r =
+      run_forward(x, weight, bias, scale, amax_history, replay, cache_rowwise, cache_columnwise,
+                  cache_scale_inv, main_grad, prologue_weight, prologue_bias, c, false, false);
+  return {std::get<0>(r), std::get<5>(r)};
 }
 
 }  // namespace
@@ -192,7 +256,9 @@ TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
       "Tensor(f!)? main_grad, int scaling, int fwd_format, int grad_format, float epsilon, "
       "int weight_cache, bool save_original_input, int parallel_mode, bool sequence_parallel, "
       "str group_name, int[] debug, bool main_grad_overwrite, bool saves_input, "
-      "bool need_dgrad, bool need_wgrad) -> Tensor");
+      "bool need_dgrad, bool need_wgrad, Tensor? prologue_weight=None, "
+      "Tensor? prologue_bias=None, int prologue=0, float prologue_eps=0.0, "
+      "bool keep_prologue_output=False) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tpfp8, Autograd, m) { m.impl("linear", &linear_kernel<true>); }

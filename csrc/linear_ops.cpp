@@ -14,30 +14,38 @@ namespace {
 
 thread_local bool forward_vetted = false;
 
+using ForwardOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                  at::Tensor, at::Tensor, at::Tensor>;
+using BackwardOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
 bool in_compiled_backward() {
   const auto node = torch::autograd::get_current_node();
   return node && node->name() == "CompiledFunctionBackward";
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_op(
-    const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, const OptTensor& scale,
-    const OptTensor& amax_history, const OptTensor& cache_rowwise,
-    const OptTensor& cache_columnwise, const OptTensor& cache_scale_inv, const OptTensor& main_grad,
-    int64_t scaling, int64_t fwd_format, int64_t grad_format, double epsilon, int64_t weight_cache,
-    bool save_original_input, int64_t parallel_mode, bool sequence_parallel,
-    c10::string_view group_name, at::IntArrayRef debug, bool need_dgrad, bool need_wgrad) {
+ForwardOutputs forward_op(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
+                          const OptTensor& scale, const OptTensor& amax_history,
+                          const OptTensor& cache_rowwise, const OptTensor& cache_columnwise,
+                          const OptTensor& cache_scale_inv, const OptTensor& main_grad,
+                          int64_t scaling, int64_t fwd_format, int64_t grad_format, double epsilon,
+                          int64_t weight_cache, bool save_original_input, int64_t parallel_mode,
+                          bool sequence_parallel, c10::string_view group_name,
+                          at::IntArrayRef debug, bool need_dgrad, bool need_wgrad,
+                          const OptTensor& prologue_weight, const OptTensor& prologue_bias,
+                          int64_t prologue, double prologue_eps, bool keep_prologue_output) {
   check_forward_outside_backward_or_vetted(amax_history.has_value());
   // Every check runs before any state (amax history, caches) is touched.
   const ForwardCall call = checked_forward_call(
       x, weight, bias, scale, amax_history, cache_rowwise, cache_columnwise, cache_scale_inv,
       main_grad, scaling, fwd_format, grad_format, epsilon, weight_cache, save_original_input,
-      parallel_mode, sequence_parallel, std::string(group_name), debug);
-  ForwardResult r =
-      linear_forward(x, weight, bias, call.c, call.state, call.cache, need_dgrad, need_wgrad);
-  return {r.y, r.x_fp8, r.x_scale_inv, r.w_fp8, r.w_scale_inv};
+      parallel_mode, sequence_parallel, std::string(group_name), debug, prologue_weight,
+      prologue_bias, prologue, prologue_eps);
+  ForwardResult r = linear_forward(x, weight, bias, call.c, call.state, call.cache, need_dgrad,
+                                   need_wgrad, call.prologue, keep_prologue_output);
+  return {r.y, r.x_fp8, r.x_scale_inv, r.w_fp8, r.w_scale_inv, r.x_hp, r.mean, r.rstd};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_op(
+BackwardOutputs backward_op(
     const at::Tensor& dy, const OptTensor& x, const at::Tensor& x_fp8,
     const at::Tensor& x_scale_inv, const at::Tensor& weight, const at::Tensor& w_fp8,
     const at::Tensor& w_scale_inv, const OptTensor& scale, const OptTensor& grad_amax_history,
@@ -45,37 +53,46 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_op(
     int64_t grad_format, double epsilon, bool save_original_input, int64_t parallel_mode,
     bool sequence_parallel, c10::string_view group_name, at::IntArrayRef debug,
     c10::SymIntArrayRef x_shape, at::ScalarType x_dtype, std::optional<at::ScalarType> bias_dtype,
-    bool need_dgrad, bool need_wgrad) {
+    bool need_dgrad, bool need_wgrad, const OptTensor& prologue_input,
+    const OptTensor& prologue_weight, const OptTensor& prologue_bias, const OptTensor& mean,
+    const OptTensor& rstd, int64_t prologue, const OptTensor& prologue_output_grad) {
   const LinearConfig c =
       linear_config(scaling, fwd_format, grad_format, epsilon, 0, save_original_input,
                     parallel_mode, sequence_parallel, std::string(group_name), debug);
   const DelayedState state{
       scale.value_or(at::Tensor()), {}, grad_amax_history.value_or(at::Tensor())};
-  const SavedForBackward saved{
+  SavedForBackward saved{
       x, x_fp8, x_scale_inv, w_fp8, w_scale_inv, C10_AS_INTARRAYREF_SLOW(x_shape).vec(), x_dtype};
+  saved.prologue = prologue_args(prologue, prologue_weight, prologue_bias, 0.0);
+  if (saved.prologue.any()) {
+    TORCH_CHECK_VALUE(prologue_input.has_value(), "a prologue's backward needs its input");
+    saved.prologue_input = *prologue_input;
+    saved.stats = {mean.value_or(at::Tensor()), rstd.value_or(at::Tensor())};
+    saved.prologue_output_grad = prologue_output_grad.value_or(at::Tensor());
+  }
   const Grads g = linear_backward(dy, saved, weight, c, state, main_grad, main_grad_overwrite,
                                   need_dgrad, need_wgrad, bias_dtype);
-  return {g.dx, g.dw, g.db};
+  return {g.dx, g.dw, g.db, g.dprologue_weight, g.dprologue_bias};
 }
 
 }  // namespace
 
-ForwardCall checked_forward_call(const at::Tensor& x, const at::Tensor& weight,
-                                 const OptTensor& bias, const OptTensor& scale,
-                                 const OptTensor& amax_history, const OptTensor& cache_rowwise,
-                                 const OptTensor& cache_columnwise,
-                                 const OptTensor& cache_scale_inv, const OptTensor& main_grad,
-                                 int64_t scaling, int64_t fwd_format, int64_t grad_format,
-                                 double epsilon, int64_t weight_cache, bool save_original_input,
-                                 int64_t parallel_mode, bool sequence_parallel,
-                                 const std::string& group_name, at::IntArrayRef debug) {
+ForwardCall checked_forward_call(
+    const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, const OptTensor& scale,
+    const OptTensor& amax_history, const OptTensor& cache_rowwise,
+    const OptTensor& cache_columnwise, const OptTensor& cache_scale_inv, const OptTensor& main_grad,
+    int64_t scaling, int64_t fwd_format, int64_t grad_format, double epsilon, int64_t weight_cache,
+    bool save_original_input, int64_t parallel_mode, bool sequence_parallel,
+    const std::string& group_name, at::IntArrayRef debug, const OptTensor& prologue_weight,
+    const OptTensor& prologue_bias, int64_t prologue, double prologue_eps) {
   ForwardCall call{
       linear_config(scaling, fwd_format, grad_format, epsilon, weight_cache, save_original_input,
                     parallel_mode, sequence_parallel, group_name, debug),
       {scale.value_or(at::Tensor()), amax_history.value_or(at::Tensor()), {}},
       {cache_rowwise.value_or(at::Tensor()), cache_columnwise.value_or(at::Tensor()),
-       cache_scale_inv.value_or(at::Tensor())}};
-  check_inputs(x, weight, bias, call.c, call.state, call.cache, main_grad);
+       cache_scale_inv.value_or(at::Tensor())},
+      prologue_args(prologue, prologue_weight, prologue_bias, prologue_eps)};
+  check_inputs(x, weight, bias, call.c, call.state, call.cache, main_grad, call.prologue);
   return call;
 }
 
@@ -101,16 +118,21 @@ TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
       "Tensor(c!)? weight_cache_columnwise, Tensor(d!)? weight_cache_scale_inv, "
       "Tensor? main_grad, int scaling, int fwd_format, int grad_format, float epsilon, "
       "int weight_cache, bool save_original_input, int parallel_mode, bool sequence_parallel, "
-      "str group_name, int[] debug, bool need_dgrad, bool need_wgrad) "
-      "-> (Tensor y, Tensor x_fp8, Tensor x_scale_inv, Tensor w_fp8, Tensor w_scale_inv)");
+      "str group_name, int[] debug, bool need_dgrad, bool need_wgrad, "
+      "Tensor? prologue_weight=None, Tensor? prologue_bias=None, int prologue=0, "
+      "float prologue_eps=0.0, bool keep_prologue_output=False) "
+      "-> (Tensor y, Tensor x_fp8, Tensor x_scale_inv, Tensor w_fp8, Tensor w_scale_inv, "
+      "Tensor x_hp, Tensor mean, Tensor rstd)");
   m.def(
       "linear_backward(Tensor dy, Tensor? x, Tensor x_fp8, Tensor x_scale_inv, Tensor weight, "
       "Tensor w_fp8, Tensor w_scale_inv, Tensor? scale, Tensor(a!)? grad_amax_history, "
       "Tensor(b!)? main_grad, bool main_grad_overwrite, int scaling, int fwd_format, "
       "int grad_format, float epsilon, bool save_original_input, int parallel_mode, "
       "bool sequence_parallel, str group_name, int[] debug, SymInt[] x_shape, "
-      "ScalarType x_dtype, ScalarType? bias_dtype, bool need_dgrad, bool need_wgrad) "
-      "-> (Tensor dx, Tensor dw, Tensor db)");
+      "ScalarType x_dtype, ScalarType? bias_dtype, bool need_dgrad, bool need_wgrad, "
+      "Tensor? prologue_input=None, Tensor? prologue_weight=None, Tensor? prologue_bias=None, "
+      "Tensor? mean=None, Tensor? rstd=None, int prologue=0, Tensor? prologue_output_grad=None) "
+      "-> (Tensor dx, Tensor dw, Tensor db, Tensor dprologue_weight, Tensor dprologue_bias)");
 }
 
 TORCH_LIBRARY_IMPL(tpfp8, CPU, m) {

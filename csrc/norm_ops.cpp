@@ -95,18 +95,43 @@ void run_norm_cast(const NormCastParams& p, const at::Tensor& input) {
 
 }  // namespace
 
+void norm_amax(const at::Tensor& input, const at::Tensor& gamma, const OptTensor& beta,
+               bool rms_norm, double eps, const at::Tensor& amax) {
+  NormCall c = norm_call(input, gamma, beta, rms_norm, eps, {}, {}, {}, {}, {}, {}, 0);
+  check_scalar_f32(amax, "amax", input, "input");
+  c.p.amax = amax.data_ptr<float>();
+  run_on_device(
+      input, [&] { norm_cast_amax_cpu(c.p); },
+      [&](cudaStream_t s) { return norm_cast_amax_cuda(c.p, s); });
+}
+
+void norm_cast_from(const at::Tensor& input, const at::Tensor& gamma, const OptTensor& beta,
+                    bool rms_norm, double eps, const OptTensor& scale, const OptTensor& scale_amax,
+                    double scale_epsilon, const OptTensor& out, const OptTensor& rowwise,
+                    const OptTensor& columnwise, const OptTensor& amax, const OptTensor& scale_inv,
+                    const OptTensor& mean, const OptTensor& rstd, int64_t fp8_format) {
+  NormCall c = norm_call(input, gamma, beta, rms_norm, eps, out, rowwise, columnwise, scale_inv,
+                         mean, rstd, fp8_format);
+  TORCH_CHECK_VALUE(!(rowwise || columnwise) || scale || scale_amax,
+                    "an FP8 output of the norm needs a scale (or an amax to derive it from)");
+  TORCH_CHECK_VALUE(scale_epsilon >= 0.0, "scale_epsilon must be >= 0, got ", scale_epsilon);
+  if (scale) check_scalar_f32(*scale, "scale", input, "input");
+  if (scale_amax) check_scalar_f32(*scale_amax, "amax", input, "input");
+  if (amax) check_scalar_f32(*amax, "amax", input, "input");
+  c.p.scale = scale ? scale->data_ptr<float>() : nullptr;
+  c.p.scale_amax = scale_amax ? scale_amax->data_ptr<float>() : nullptr;
+  c.p.scale_epsilon = static_cast<float>(scale_epsilon);
+  c.p.amax = amax ? amax->data_ptr<float>() : nullptr;
+  run_norm_cast(c.p, input);
+}
+
 void norm_cast(const at::Tensor& input, const at::Tensor& gamma, const OptTensor& beta,
                bool rms_norm, double eps, const at::Tensor& scale, const OptTensor& out,
                const OptTensor& rowwise, const OptTensor& columnwise, const OptTensor& amax,
                const OptTensor& scale_inv, const OptTensor& mean, const OptTensor& rstd,
                int64_t fp8_format) {
-  NormCall c = norm_call(input, gamma, beta, rms_norm, eps, out, rowwise, columnwise, scale_inv,
-                         mean, rstd, fp8_format);
-  check_scalar_f32(scale, "scale", input, "input");
-  c.p.scale = scale.data_ptr<float>();
-  if (amax) check_scalar_f32(*amax, "amax", input, "input");
-  c.p.amax = amax ? amax->data_ptr<float>() : nullptr;
-  run_norm_cast(c.p, input);
+  norm_cast_from(input, gamma, beta, rms_norm, eps, scale, std::nullopt, 0.0, out, rowwise,
+                 columnwise, amax, scale_inv, mean, rstd, fp8_format);
 }
 
 void norm_cast_current(const at::Tensor& input, const at::Tensor& gamma, const OptTensor& beta,
@@ -114,19 +139,14 @@ void norm_cast_current(const at::Tensor& input, const at::Tensor& gamma, const O
                        const OptTensor& out, const OptTensor& rowwise, const OptTensor& columnwise,
                        const OptTensor& scale_inv, const OptTensor& mean, const OptTensor& rstd,
                        int64_t fp8_format) {
-  NormCall c = norm_call(input, gamma, beta, rms_norm, eps, out, rowwise, columnwise, scale_inv,
-                         mean, rstd, fp8_format);
-  check_scalar_f32(amax, "amax", input, "input");
-  TORCH_CHECK_VALUE(scale_epsilon >= 0.0, "scale_epsilon must be >= 0, got ", scale_epsilon);
   // Pass 1 folds max |y| into amax; pass 2 casts with the scale the kernel derives from it.
-  c.p.amax = amax.data_ptr<float>();
-  run_on_device(
-      input, [&] { norm_cast_amax_cpu(c.p); },
-      [&](cudaStream_t s) { return norm_cast_amax_cuda(c.p, s); });
-  c.p.scale_amax = c.p.amax;
-  c.p.amax = nullptr;
-  c.p.scale_epsilon = static_cast<float>(scale_epsilon);
-  run_norm_cast(c.p, input);
+  // Every argument is checked before pass 1 writes amax.
+  norm_call(input, gamma, beta, rms_norm, eps, out, rowwise, columnwise, scale_inv, mean, rstd,
+            fp8_format);
+  TORCH_CHECK_VALUE(scale_epsilon >= 0.0, "scale_epsilon must be >= 0, got ", scale_epsilon);
+  norm_amax(input, gamma, beta, rms_norm, eps, amax);
+  norm_cast_from(input, gamma, beta, rms_norm, eps, std::nullopt, amax, scale_epsilon, out, rowwise,
+                 columnwise, std::nullopt, scale_inv, mean, rstd, fp8_format);
 }
 
 // Composed from ATen ops in fp32 (no kernel of ours yet): with xhat = (x - mean) * rstd

@@ -70,6 +70,17 @@ void norm_cast_current(const at::Tensor& input, const at::Tensor& gamma, const O
                        const OptTensor& out, const OptTensor& rowwise, const OptTensor& columnwise,
                        const OptTensor& scale_inv, const OptTensor& mean, const OptTensor& rstd,
                        int64_t fp8_format);
+// The two passes apart, as a Linear with a norm in front runs them (an all-reduce of the amax
+// may come between): norm_amax folds max |y| into `amax` and writes nothing else;
+// norm_cast_from casts with `scale`, or with the scale derived from `scale_amax` when given
+// (neither: high-precision outputs only).
+void norm_amax(const at::Tensor& input, const at::Tensor& gamma, const OptTensor& beta,
+               bool rms_norm, double eps, const at::Tensor& amax);
+void norm_cast_from(const at::Tensor& input, const at::Tensor& gamma, const OptTensor& beta,
+                    bool rms_norm, double eps, const OptTensor& scale, const OptTensor& scale_amax,
+                    double scale_epsilon, const OptTensor& out, const OptTensor& rowwise,
+                    const OptTensor& columnwise, const OptTensor& amax, const OptTensor& scale_inv,
+                    const OptTensor& mean, const OptTensor& rstd, int64_t fp8_format);
 // (dx [M, H] in x's dtype, dgamma [H] and dbeta [H] (RMSNorm: [0]) in gamma's dtype).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward(
     const at::Tensor& dy, const at::Tensor& x, const OptTensor& mean, const at::Tensor& rstd,

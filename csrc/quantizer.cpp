@@ -54,19 +54,27 @@ Operand Quantizer::operand(Gemm, const Prepared& t, bool columnwise, bool high_p
 
 Fp8Tensor Quantizer::outputs(const at::Tensor& x, bool rowwise, bool columnwise,
                              const Fp8Tensor* into) const {
-  Fp8Tensor out;
-  if (into) {
-    out = *into;
-    if (!rowwise) out.rowwise = at::Tensor();
-    if (!columnwise) out.columnwise = at::Tensor();
-  } else {
-    const auto u8 = x.options().dtype(at::kByte);
-    if (rowwise) out.rowwise = at::empty({x.size(0), x.size(1)}, u8);
-    if (columnwise) out.columnwise = at::empty({x.size(1), x.size(0)}, u8);
-    out.scale_inv = at::empty({1}, x.options().dtype(at::kFloat));
-  }
+  if (!into) return outputs(x.size(0), x.size(1), x.options(), rowwise, columnwise);
+  Fp8Tensor out = *into;
+  if (!rowwise) out.rowwise = at::Tensor();
+  if (!columnwise) out.columnwise = at::Tensor();
   out.format = format();
   return out;
+}
+
+Fp8Tensor Quantizer::outputs(int64_t rows, int64_t cols, const at::TensorOptions& options,
+                             bool rowwise, bool columnwise) const {
+  Fp8Tensor out;
+  const auto u8 = options.dtype(at::kByte);
+  if (rowwise) out.rowwise = at::empty({rows, cols}, u8);
+  if (columnwise) out.columnwise = at::empty({cols, rows}, u8);
+  out.scale_inv = at::empty({1}, options.dtype(at::kFloat));
+  out.format = format();
+  return out;
+}
+
+Fp8Tensor Quantizer::quantize_fused(const FusedCast&, bool, bool, const ProcessGroupPtr&) const {
+  TORCH_CHECK(false, "internal error: this quantizer does not fuse its cast into another kernel");
 }
 
 Fp8Tensor DelayedScalingQuantizer::quantize(const at::Tensor& x, bool rowwise, bool columnwise,
@@ -74,12 +82,25 @@ Fp8Tensor DelayedScalingQuantizer::quantize(const at::Tensor& x, bool rowwise, b
                                             const ProcessGroupPtr& /*split_over*/,
                                             const OptTensor& dbias) const {
   Fp8Tensor out = outputs(x, rowwise, columnwise, into);
-  // The history is tensor-major: this tensor's newest amax is the first of its row.
-  const int64_t amax_index =
-      (role_ == kGrad ? 0 : role_) * (history_.defined() ? history_.size(1) : 0);
   cast_transpose_slots(x, scale_, role_, optional(out.rowwise, rowwise),
-                       optional(out.columnwise, columnwise), optional(history_), amax_index,
+                       optional(out.columnwise, columnwise), optional(history_), amax_index(),
                        out.scale_inv, static_cast<int64_t>(format()), dbias);
+  return out;
+}
+
+// The history is tensor-major: this tensor's newest amax is the first of its row.
+int64_t DelayedScalingQuantizer::amax_index() const {
+  return (role_ == kGrad ? 0 : role_) * (history_.defined() ? history_.size(1) : 0);
+}
+
+Fp8Tensor DelayedScalingQuantizer::quantize_fused(const FusedCast& fused, bool rowwise,
+                                                  bool columnwise,
+                                                  const ProcessGroupPtr& /*split_over*/) const {
+  Fp8Tensor out = outputs(fused.rows, fused.cols, fused.options, rowwise, columnwise);
+  CastScale s;
+  s.scale = scale_.narrow(0, role_, 1);
+  if (history_.defined()) s.amax = history_.view(-1).narrow(0, amax_index(), 1);
+  fused.cast(out, s);
   return out;
 }
 
@@ -88,16 +109,7 @@ Fp8Tensor CurrentScalingQuantizer::quantize(const at::Tensor& x, bool rowwise, b
                                             const ProcessGroupPtr& split_over,
                                             const OptTensor& dbias) const {
   Fp8Tensor out = outputs(x, rowwise, columnwise, into);
-  at::Tensor a = at::empty({1}, x.options().dtype(at::kFloat));
-  zero_bytes(a);
-  amax(x, a);
-  if (split_over) {
-    // NaN as Inf, as the delayed update's reduction does: every rank then gets the same (unit)
-    // scale for a bad step, whatever the backend makes of NaN in MAX.
-    const double inf = std::numeric_limits<double>::infinity();
-    a.nan_to_num_(inf, inf, inf);
-    all_reduce(a, *split_over, c10d::ReduceOp::MAX);
-  }
+  const at::Tensor a = amax_of(x.options(), [&](at::Tensor& a) { amax(x, a); }, split_over);
   // dbias rides on the cast pass, not the amax pass: the cast is the tiled kernel whose fixed
   // order of additions delayed scaling shares (one kernel, one CPU reference), while the amax
   // is a flat sweep with no column structure. Both read x; the cast mostly from L2.
@@ -105,6 +117,33 @@ Fp8Tensor CurrentScalingQuantizer::quantize(const at::Tensor& x, bool rowwise, b
                          optional(out.columnwise, columnwise), out.scale_inv,
                          static_cast<int64_t>(format()), dbias);
   return out;
+}
+
+Fp8Tensor CurrentScalingQuantizer::quantize_fused(const FusedCast& fused, bool rowwise,
+                                                  bool columnwise,
+                                                  const ProcessGroupPtr& split_over) const {
+  Fp8Tensor out = outputs(fused.rows, fused.cols, fused.options, rowwise, columnwise);
+  CastScale s;
+  s.scale_amax = amax_of(fused.options, [&](at::Tensor& a) { fused.amax(a); }, split_over);
+  s.epsilon = epsilon_;
+  fused.cast(out, s);
+  return out;
+}
+
+at::Tensor CurrentScalingQuantizer::amax_of(const at::TensorOptions& options,
+                                            const std::function<void(at::Tensor&)>& pass,
+                                            const ProcessGroupPtr& split_over) const {
+  at::Tensor a = at::empty({1}, options.dtype(at::kFloat));
+  zero_bytes(a);
+  pass(a);
+  if (split_over) {
+    // NaN as Inf, as the delayed update's reduction does: every rank then gets the same (unit)
+    // scale for a bad step, whatever the backend makes of NaN in MAX.
+    const double inf = std::numeric_limits<double>::infinity();
+    a.nan_to_num_(inf, inf, inf);
+    all_reduce(a, *split_over, c10d::ReduceOp::MAX);
+  }
+  return a;
 }
 
 void update_delayed(const std::vector<at::Tensor>& histories, const std::vector<at::Tensor>& scales,

@@ -12,6 +12,7 @@
 
 #include <torch/types.h>
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -52,6 +53,23 @@ struct Operand {
 // `t` read by a GEMM in `dtype` (transposed: contracting over its rows).
 Operand high_precision_operand(const at::Tensor& t, at::ScalarType dtype, bool transposed);
 
+// How a cast fused into the kernel that computes its tensor (the norm or activation in front of
+// a fused module's GEMM) is scaled: with `scale` (delayed), or with the scale derived from
+// `scale_amax` (current: fp8_max / max(amax, epsilon)); `amax`, if given, receives max |y|.
+struct CastScale {
+  OptTensor scale, amax, scale_amax;
+  double epsilon = 0.0;
+};
+// Such a kernel, as a quantizer drives it: its result's [rows, cols] and tensor options, a pass
+// that only folds max |y| into a [1] float32 tensor (current scaling's first pass), and the pass
+// that writes the defined parts of an Fp8Tensor (and its scale_inv).
+struct FusedCast {
+  int64_t rows = 0, cols = 0;
+  at::TensorOptions options;
+  std::function<void(const at::Tensor& amax)> amax;
+  std::function<void(const Fp8Tensor& out, const CastScale& scale)> cast;
+};
+
 class Quantizer {
  public:
   explicit Quantizer(Fp8Format format) : format_(format) {}
@@ -68,6 +86,10 @@ class Quantizer {
                              const Fp8Tensor* into = nullptr,
                              const ProcessGroupPtr& split_over = {},
                              const OptTensor& dbias = std::nullopt) const = 0;
+  // The same for a tensor that `fused` computes and casts in one pass, never written in high
+  // precision by this quantizer (debugging, which needs the values, does not fuse).
+  virtual Fp8Tensor quantize_fused(const FusedCast& fused, bool rowwise, bool columnwise,
+                                   const ProcessGroupPtr& split_over = {}) const;
   // Whether a tensor split across ranks is gathered in high precision and quantized whole
   // (what debugging needs: statistics of the tensor the GEMMs see), instead of quantized per
   // rank and gathered as FP8 bytes.
@@ -83,6 +105,8 @@ class Quantizer {
   // Fresh outputs for x, or `into`'s buffers, holding the usages asked for.
   Fp8Tensor outputs(const at::Tensor& x, bool rowwise, bool columnwise,
                     const Fp8Tensor* into) const;
+  Fp8Tensor outputs(int64_t rows, int64_t cols, const at::TensorOptions& options, bool rowwise,
+                    bool columnwise) const;
 
  private:
   Fp8Format format_;
@@ -111,8 +135,11 @@ class DelayedScalingQuantizer final : public Quantizer {
   Fp8Tensor quantize(const at::Tensor& x, bool rowwise, bool columnwise,
                      const Fp8Tensor* into = nullptr, const ProcessGroupPtr& split_over = {},
                      const OptTensor& dbias = std::nullopt) const override;
+  Fp8Tensor quantize_fused(const FusedCast& fused, bool rowwise, bool columnwise,
+                           const ProcessGroupPtr& split_over = {}) const override;
 
  private:
+  int64_t amax_index() const;
   at::Tensor scale_, history_;  // the layer's [3] and [2 or 1, H]
   Role role_;
 };
@@ -127,8 +154,13 @@ class CurrentScalingQuantizer final : public Quantizer {
   Fp8Tensor quantize(const at::Tensor& x, bool rowwise, bool columnwise,
                      const Fp8Tensor* into = nullptr, const ProcessGroupPtr& split_over = {},
                      const OptTensor& dbias = std::nullopt) const override;
+  Fp8Tensor quantize_fused(const FusedCast& fused, bool rowwise, bool columnwise,
+                           const ProcessGroupPtr& split_over = {}) const override;
 
  private:
+  // The amax of this rank's part, folded by `pass`, all-reduced (MAX) over `split_over`.
+  at::Tensor amax_of(const at::TensorOptions& options, const std::function<void(at::Tensor&)>& pass,
+                     const ProcessGroupPtr& split_over) const;
   double epsilon_;
 };
 

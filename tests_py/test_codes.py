@@ -65,7 +65,7 @@ def test_the_forward_op_and_its_fake_kernel_share_one_check():
     def check(x, weight, scaling):
         return (x, weight, None, None, None, None, None, None, None, scaling, 0, 1, 0.0, 0,
                 False, 0, False, "", [])
-    _C.check_linear_forward(*check(torch.randn(2, 32), torch.randn(48, 32), 2))
+    _C.check_linear_forward(*check(torch.randn(2, 32), torch.randn(48, 32), 2), None, None, 0, 0.0)
     for device in ("cpu", "meta"):  # the op, and its fake kernel (meta device)
         x, w = torch.randn(2, 24, device=device), torch.randn(48, 24, device=device)
         with pytest.raises(ValueError, match="multiples of 16, got 24 and 48"):

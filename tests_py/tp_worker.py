@@ -600,6 +600,46 @@ def check_compiled_matches_eager(group):
         torch._dynamo.reset()
 
 
+def check_fused_mlp_matches_single_rank(group):
+    """LayerNormMLP(set_parallel_mode=True) -- RMSNorm on this rank's rows (sequence
+    parallel) or on the whole input, FP8-gathered; column fc1 holding [gate_r | up_r]; SwiGLU;
+    row fc2 -- against the same MLP on one rank: y, dx and every gradient, the norm's weight
+    gradient summed over the group. Bounds as (b) in the module docstring."""
+    tp, r = dist.get_world_size(), dist.get_rank()
+    recipes = (None, tpfp8.DelayedScaling(amax_history_len=4), tpfp8.CurrentScaling())
+    for sp, recipe in itertools.product((False, True), recipes):
+        torch.manual_seed(51)
+        kw = {"activation": "swiglu", "normalization": "RMSNorm", "device": DEVICE}
+        full = tpfp8.LayerNormMLP(K, N, **kw)
+        split = tpfp8.LayerNormMLP(K, N, set_parallel_mode=True, tp_group=group,
+                                   sequence_parallel=sp, **kw)
+        with torch.no_grad():
+            full.fc1.layer_norm_weight.uniform_(0.5, 1.5)
+        for one, part in ((full.fc1, split.fc1), (full.fc2, split.fc2)):
+            part.load_full_state_dict(one.full_state_dict())
+        x = torch.randn(S * B, K, device=DEVICE)
+        exact = recipe is None or (sp and isinstance(recipe, tpfp8.DelayedScaling))
+        bound = 1e-5 if exact else 0.15
+        what = f"fused MLP sp={sp} {_recipe_name(recipe)}"
+        for step in range(2):
+            want = _mlp_step(full, x * (step + 1), recipe, enabled=recipe is not None)
+            got = _mlp_step(split, (x.chunk(tp)[r] if sp else x) * (step + 1), recipe,
+                            enabled=recipe is not None)
+            if sp:
+                got = [P.unshard(t.contiguous(), 0, group) for t in got]
+            expect(rel(got[0], want[0]), bound, f"{what} y, step {step}")
+            expect(rel(got[1], want[1]), bound, f"{what} dx, step {step}")
+            pairs = ((split.fc1.layer_norm_weight.grad, full.fc1.layer_norm_weight.grad),
+                     (split.fc1._unshard(split.fc1.weight.grad, 0), full.fc1.weight.grad),
+                     (split.fc1._unshard(split.fc1.bias.grad, 0), full.fc1.bias.grad),
+                     (split.fc2._unshard(split.fc2.weight.grad, 1), full.fc2.weight.grad),
+                     (split.fc2.bias.grad, full.fc2.bias.grad))
+            for i, (a, b) in enumerate(pairs):
+                expect(rel(a, b), bound, f"{what} gradient {i}, step {step}")
+            for p in list(full.parameters()) + list(split.parameters()):
+                p.grad = None
+
+
 def check_ddp_casts_with_rank0_state(group):
     """Under DistributedDataParallel the FP8 state is buffers, broadcast from rank 0 at every
     forward: each step's casts use the same scales on every rank, whatever each rank's data."""
@@ -625,9 +665,9 @@ def check_ddp_casts_with_rank0_state(group):
     assert float(seen[-1][2].sum()) > 0, "no amax recorded: the check saw no state"
 
 
-def _mlp_step(model, x, recipe):
+def _mlp_step(model, x, recipe, enabled=True):
     x = x.clone().requires_grad_(True)
-    with tpfp8.fp8_autocast(recipe=recipe):
+    with tpfp8.fp8_autocast(enabled=enabled, recipe=recipe):
         y = model(x)
     y.square().sum().backward()
     return [y.detach(), x.grad]
@@ -644,7 +684,8 @@ def _cases():
         check_debug_keeps_bias_grad,
         check_debug_disable_fp8_gemm, check_deepcopy, check_checkpoint, check_nan_step,
         check_sharded_records_identical, check_double_backward_refused,
-        check_compiled_matches_eager, check_ddp_casts_with_rank0_state)]
+        check_compiled_matches_eager, check_fused_mlp_matches_single_rank,
+        check_ddp_casts_with_rank0_state)]
     recipes = [None, tpfp8.DelayedScaling(amax_history_len=4), tpfp8.CurrentScaling()]
     for mode, sp, recipe, save_orig, bias in itertools.product(
             ("column", "row"), (False, True), recipes, (False, True), (True, False)):

@@ -20,6 +20,8 @@ _WRITERS = ("quantize", "cast_transpose", "cast_transpose_current", "transpose_f
             "activation_backward_amax")
 OPS = _WRITERS + ("linear", "linear_forward", "linear_backward", "norm_backward")
 _COLUMN, _NONE = int(_C.ParallelMode.COLUMN), int(_C.Scaling.NONE)
+_LAYER_NORM = int(_C.Prologue.LAYER_NORM)
+_NORMS = (_LAYER_NORM, int(_C.Prologue.RMS_NORM))
 
 
 def _writes_only_its_arguments(*args, **kwargs) -> None:
@@ -48,20 +50,23 @@ def _static(*tensors) -> bool:
 def _linear_forward(x, weight, bias, scale, amax_history, cache_rowwise, cache_columnwise,
                     cache_scale_inv, main_grad, scaling, fwd_format, grad_format, epsilon,
                     weight_cache, save_original_input, parallel_mode, sequence_parallel,
-                    group_name, debug, need_dgrad, need_wgrad):
+                    group_name, debug, need_dgrad, need_wgrad, prologue_weight=None,
+                    prologue_bias=None, prologue=0, prologue_eps=0.0,
+                    keep_prologue_output=False):
     if _static(x, weight):  # (symbolic sizes: the op checks when it runs)
         _C.check_linear_forward(x, weight, bias, scale, amax_history, cache_rowwise,
                                 cache_columnwise, cache_scale_inv, main_grad, scaling,
                                 fwd_format, grad_format, epsilon, weight_cache,
                                 save_original_input, parallel_mode, sequence_parallel,
-                                group_name, debug)
+                                group_name, debug, prologue_weight, prologue_bias, prologue,
+                                prologue_eps)
     n, k = weight.shape
     tp = _group_size(group_name) if sequence_parallel else 1
     shape = list(x.shape)
     shape[-1] = n
     if sequence_parallel:
         shape[0] = shape[0] * tp if parallel_mode == _COLUMN else shape[0] // tp
-    rows = x.numel() // k
+    rows = x.numel() // x.shape[-1]
     gathers = parallel_mode == _COLUMN and sequence_parallel
 
     def u8(*size):
@@ -78,31 +83,55 @@ def _linear_forward(x, weight, bias, scale, amax_history, cache_rowwise, cache_c
         else:
             x_fp8 = u8(k, rows * tp if gathers else rows)
     uncached = fp8 and weight_cache == 0
+    # A prologue's output (the GEMMs' input) where backward or the caller keeps it; a norm's
+    # statistics.
+    saves_hp = not fp8 or save_original_input or bool(debug)
+    x_hp = x.new_empty(list(x.shape[:-1]) + [k]) if prologue and (
+        keep_prologue_output or saves_hp) else x.new_empty(0)
+    norm = prologue in _NORMS
+    mean = f32(rows) if prologue == _LAYER_NORM else f32(0)
+    rstd = f32(rows) if norm else f32(0)
     return (x.new_empty(shape), x_fp8, f32(1) if fp8 else f32(0),
-            u8(k, n) if uncached and need_dgrad else u8(0), f32(1) if uncached else f32(0))
+            u8(k, n) if uncached and need_dgrad else u8(0), f32(1) if uncached else f32(0),
+            x_hp, mean, rstd)
 
 
 @torch.library.register_fake("tpfp8::linear_backward")
 def _linear_backward(dy, x, x_fp8, x_scale_inv, weight, w_fp8, w_scale_inv, scale,
                      grad_amax_history, main_grad, main_grad_overwrite, scaling, fwd_format,
                      grad_format, epsilon, save_original_input, parallel_mode, sequence_parallel,
-                     group_name, debug, x_shape, x_dtype, bias_dtype, need_dgrad, need_wgrad):
+                     group_name, debug, x_shape, x_dtype, bias_dtype, need_dgrad, need_wgrad,
+                     prologue_input=None, prologue_weight=None, prologue_bias=None, mean=None,
+                     rstd=None, prologue=0, prologue_output_grad=None):
     def nothing():  # (a placeholder for a gradient not asked for)
         return dy.new_empty(0)
-    dx = dy.new_empty(x_shape, dtype=x_dtype) if need_dgrad else nothing()
+    if not need_dgrad:
+        dx = nothing()
+    elif prologue:
+        dx = prologue_input.new_empty(prologue_input.shape)
+    else:
+        dx = dy.new_empty(x_shape, dtype=x_dtype)
     dw = weight.new_empty(weight.shape) if need_wgrad and main_grad is None else nothing()
     db = dy.new_empty(weight.shape[0], dtype=bias_dtype) if bias_dtype is not None else nothing()
-    return dx, dw, db
+    norm = need_dgrad and prologue in _NORMS
+    dpw = prologue_weight.new_empty(prologue_weight.shape) if norm else nothing()
+    dpb = prologue_bias.new_empty(prologue_bias.shape) if norm and prologue_bias is not None \
+        else nothing()
+    return dx, dw, db, dpw, dpb
 
 
 @torch.library.register_fake("tpfp8::linear")
 def _linear(x, weight, bias, scale, amax_history, grad_amax_history, replay, cache_rowwise,
             cache_columnwise, cache_scale_inv, main_grad, scaling, fwd_format, grad_format,
             epsilon, weight_cache, save_original_input, parallel_mode, sequence_parallel,
-            group_name, debug, main_grad_overwrite, saves_input, need_dgrad, need_wgrad):
+            group_name, debug, main_grad_overwrite, saves_input, need_dgrad, need_wgrad,
+            prologue_weight=None, prologue_bias=None, prologue=0, prologue_eps=0.0,
+            keep_prologue_output=False):
     recompute = replay is not None
-    return _linear_forward(x, weight, bias, replay if recompute else scale,
-                           None if recompute else amax_history, cache_rowwise, cache_columnwise,
-                           cache_scale_inv, main_grad, scaling, fwd_format, grad_format, epsilon,
-                           weight_cache, save_original_input, parallel_mode, sequence_parallel,
-                           group_name, debug, need_dgrad, need_wgrad)[0]
+    out = _linear_forward(x, weight, bias, replay if recompute else scale,
+                          None if recompute else amax_history, cache_rowwise, cache_columnwise,
+                          cache_scale_inv, main_grad, scaling, fwd_format, grad_format, epsilon,
+                          weight_cache, save_original_input, parallel_mode, sequence_parallel,
+                          group_name, debug, need_dgrad, need_wgrad, prologue_weight,
+                          prologue_bias, prologue, prologue_eps, keep_prologue_output)
+    return out[0], out[5]

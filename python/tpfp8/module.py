@@ -156,21 +156,28 @@ class Linear(nn.Linear):
         """Loads single-device (unsharded) ``weight`` / ``bias``; each rank keeps its slice."""
         w_dim, b_dim = self._split_dims()
         w = state["weight"]
-        self.weight.copy_(w if w_dim is None else _parallel.shard(w, w_dim, self.tp_group))
+        self.weight.copy_(w if w_dim is None else self._shard(w, w_dim))
         if self.bias is not None and state.get("bias") is not None:
             b = state["bias"]
-            self.bias.copy_(b if b_dim is None else _parallel.shard(b, b_dim, self.tp_group))
+            self.bias.copy_(b if b_dim is None else self._shard(b, b_dim))
 
     @torch.no_grad()
     def full_state_dict(self) -> dict:
         """The single-device (unsharded) ``weight`` / ``bias``, gathered from every rank."""
         w_dim, b_dim = self._split_dims()
         out = {"weight": self.weight.detach().clone() if w_dim is None
-               else _parallel.unshard(self.weight, w_dim, self.tp_group)}
+               else self._unshard(self.weight, w_dim)}
         if self.bias is not None:
             out["bias"] = (self.bias.detach().clone() if b_dim is None
-                           else _parallel.unshard(self.bias, b_dim, self.tp_group))
+                           else self._unshard(self.bias, b_dim))
         return out
+
+    def _shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's slice of a full weight or bias along `dim`."""
+        return _parallel.shard(full, dim, self.tp_group)
+
+    def _unshard(self, local: torch.Tensor, dim: int) -> torch.Tensor:
+        return _parallel.unshard(local, dim, self.tp_group)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -377,13 +384,13 @@ class Linear(nn.Linear):
         if vetted:  # inside backward: the op refuses forwards the module did not check
             _C.set_forward_vetted(True)
         try:
-            y = torch.ops.tpfp8.linear(
+            y, prologue_out = torch.ops.tpfp8.linear(
                 x, weight, bias, scale, amax_history,
                 grad_amax_history if a.records_grad_amax else None, call.replay,
                 *call.weight_cache, call.main_grad, a.scaling, a.fwd_format, a.grad_format,
                 a.epsilon, a.weight_cache, config.save_original_input, config.parallel_mode,
                 config.sequence_parallel, config.group_name, a.debug, a.main_grad_overwrite,
-                a.saves_input, a.need_dgrad, a.need_wgrad)
+                a.saves_input, a.need_dgrad, a.need_wgrad, *self._prologue())
         finally:
             if vetted:
                 _C.set_forward_vetted(False)
@@ -393,7 +400,21 @@ class Linear(nn.Linear):
                 _checkpointing.record(self, self._forward_record(frame), checkpoints)
                 if recipe is not None and not self._fp8_ran_fp8:
                     self._fp8_ran_fp8 = True
-        return (y, bias_out) if config.return_bias else y
+        return self._outputs(y, config.return_bias, bias_out, prologue_out)
+
+    # ---- what the fused modules change ----------------------------------------------------
+
+    def _prologue(self) -> tuple:
+        """The op's prologue arguments (weight, bias, code, eps, keep its output): what runs
+        on the input before its cast -- nothing in a plain Linear."""
+        return _NO_PROLOGUE
+
+    def _prologue_needs_grad(self) -> bool:
+        return False
+
+    def _outputs(self, y, return_bias: bool, bias, prologue_out):
+        """What forward returns: y, or (y, bias) with return_bias."""
+        return (y, bias) if return_bias else y
 
     def _prepare(self, config, recipe, frame, x, param, is_first_microbatch,
                  repeated) -> "_Call":
@@ -424,7 +445,8 @@ class Linear(nn.Linear):
         debug = _debug.options_for(self)
         call.args = _CallArgs(
             *_scaling.recipe_codes(recipe), cache_mode, debug or (),
-            grad and x.requires_grad, grad and param.requires_grad, bool(is_first_microbatch),
+            grad and (x.requires_grad or self._prologue_needs_grad()),
+            grad and param.requires_grad, bool(is_first_microbatch),
             recipe is None or config.save_original_input or bool(debug),
             # State made inside a compiled graph cannot be written by its backward: the first
             # compiled step under another history length records no gradient amax.
@@ -535,6 +557,8 @@ class Linear(nn.Linear):
             bias = bias.to(dtype) if bias is not None else None
         return x, weight, bias
 
+
+_NO_PROLOGUE = (None, None, int(_C.Prologue.NONE), 0.0, False)
 
 _WEIGHT_CACHE_NONE, _WEIGHT_CACHE_FILL, _WEIGHT_CACHE_REUSE = (
     int(_C.WeightCache.NONE), int(_C.WeightCache.FILL), int(_C.WeightCache.REUSE))

@@ -1,0 +1,228 @@
+"""The fused modules: a norm or an activation written straight to FP8 by the kernel that
+computes it, in front of a ``tpfp8.Linear``'s GEMMs -- ``LayerNormLinear`` / ``RMSNormLinear``
+(norm -> Linear) and ``LayerNormMLP`` (norm -> fc1 -> activation -> fc2), with
+TransformerEngine's names. They are ``tpfp8.Linear`` layers whose op runs a prologue on the
+input (csrc/prologue.h); FP8 state, recipes, weight caching, tensor parallelism, debugging,
+checkpointing and torch.compile work as for ``tpfp8.Linear``."""
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import _C
+from .module import Linear
+
+_NORMS = {"LayerNorm": int(_C.Prologue.LAYER_NORM), "RMSNorm": int(_C.Prologue.RMS_NORM)}
+_ACTIVATIONS = {"gelu": int(_C.Prologue.GELU), "swiglu": int(_C.Prologue.SWIGLU)}
+
+
+def _choice(value, allowed: dict, what: str):
+    if value not in allowed:
+        raise ValueError(f"{what} must be one of {sorted(allowed)}, got {value!r}")
+    return allowed[value]
+
+
+class LayerNormLinear(Linear):
+    """``Linear(norm(x))``: LayerNorm (or RMSNorm) over the last dimension, then ``x W^T + b``,
+    as TransformerEngine's ``LayerNormLinear`` (parameters ``layer_norm_weight``,
+    ``layer_norm_bias``, ``weight``, ``bias``).
+
+    Inside ``fp8_autocast`` the norm's kernel writes the Linear's FP8 input (row-wise for the
+    forward GEMM, column-wise for wgrad) and its amax in the same pass over ``x``, instead of
+    writing the normalized tensor and reading it again to cast it. Current scaling reads ``x``
+    twice (an amax pass first: the scale must be known before the first byte is cast);
+    delayed scaling once. Debugging and ``save_original_input`` use the high-precision
+    normalized tensor, which then gets the ordinary cast. The norm's backward runs on dgrad's
+    output.
+
+    Args:
+        in_features, out_features, bias, device, dtype: as ``tpfp8.Linear``.
+        eps: added to the variance (LayerNorm) or mean square (RMSNorm).
+        normalization: ``"LayerNorm"`` or ``"RMSNorm"`` (no ``layer_norm_bias``).
+        return_layernorm_output: also return the normalized input (in high precision; under
+            sequence parallelism this rank's rows), e.g. for a residual taken after the norm.
+            Gradients flowing into it reach ``x``, ``layer_norm_weight`` and
+            ``layer_norm_bias``.
+        **kwargs: ``tpfp8.Linear``'s keyword arguments. ``parallel_mode="row"`` is refused (a
+            norm needs every feature). Under column parallelism with ``sequence_parallel``
+            each rank normalizes its own rows and FP8-gathers them; the norm's weight
+            gradients are summed over the group in backward, so every rank holds the full
+            gradient (do not all-reduce them again).
+
+    Returns ``y``, then (with ``return_bias``) the bias, then (with
+    ``return_layernorm_output``) the normalized input: a tuple when more than ``y``.
+    The norm kernel needs ``in_features`` to be a multiple of 16 and at most 16384.
+    """
+
+    def __init__(self, in_features: int, out_features: int, eps: float = 1e-5,
+                 bias: bool = True, normalization: str = "LayerNorm",
+                 return_layernorm_output: bool = False, device=None, dtype=None, **kwargs):
+        code = _choice(normalization, _NORMS, "normalization")
+        if kwargs.get("parallel_mode") == "row":
+            raise ValueError("LayerNormLinear cannot be row-parallel: its norm needs every "
+                             "feature of the input; use parallel_mode='column' or None")
+        if eps < 0:
+            raise ValueError(f"eps must be >= 0, got {eps}")
+        self._gated = kwargs.pop("_gated", False)  # (LayerNormMLP's SwiGLU fc1: [gate | up])
+        super().__init__(in_features, out_features, bias, device, dtype, **kwargs)
+        self.normalization, self.eps, self._norm_code = normalization, eps, code
+        self.return_layernorm_output = return_layernorm_output
+        factory = {"device": self.weight.device, "dtype": self.weight.dtype}
+        self.layer_norm_weight = nn.Parameter(torch.ones(in_features, **factory))
+        self.layer_norm_bias = (nn.Parameter(torch.zeros(in_features, **factory))
+                                if normalization == "LayerNorm" else None)
+
+    def reset_parameters(self) -> None:
+        """The Linear's initialisation, and the norm's: weight 1, bias 0."""
+        super().reset_parameters()
+        if getattr(self, "layer_norm_weight", None) is not None:
+            with torch.no_grad():
+                self.layer_norm_weight.fill_(1.0)
+                if self.layer_norm_bias is not None:
+                    self.layer_norm_bias.zero_()
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, normalization={self.normalization}, eps={self.eps}"
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict) -> None:
+        """As ``tpfp8.Linear``'s, plus ``layer_norm_weight`` / ``layer_norm_bias`` (replicated)."""
+        super().load_full_state_dict(state)
+        for name in ("layer_norm_weight", "layer_norm_bias"):
+            if getattr(self, name, None) is not None and state.get(name) is not None:
+                getattr(self, name).copy_(state[name])
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict:
+        out = super().full_state_dict()
+        out["layer_norm_weight"] = self.layer_norm_weight.detach().clone()
+        if self.layer_norm_bias is not None:
+            out["layer_norm_bias"] = self.layer_norm_bias.detach().clone()
+        return out
+
+    def _shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
+        if not self._gated:
+            return super()._shard(full, dim)
+        # Each rank holds its slices of both halves, [gate_r | up_r], so that SwiGLU pairs them.
+        return torch.cat([super(LayerNormLinear, self)._shard(h, dim) for h in full.chunk(2, dim)],
+                         dim)
+
+    def _unshard(self, local: torch.Tensor, dim: int) -> torch.Tensor:
+        if not self._gated:
+            return super()._unshard(local, dim)
+        return torch.cat([super(LayerNormLinear, self)._unshard(h.contiguous(), dim)
+                          for h in local.chunk(2, dim)], dim)
+
+    def _prologue(self) -> tuple:
+        return (self.layer_norm_weight, self.layer_norm_bias, self._norm_code, float(self.eps),
+                self.return_layernorm_output)
+
+    def _prologue_needs_grad(self) -> bool:
+        return self.layer_norm_weight.requires_grad or (
+            self.layer_norm_bias is not None and self.layer_norm_bias.requires_grad)
+
+    def _outputs(self, y, return_bias: bool, bias, prologue_out):
+        out = (y,) + ((bias,) if return_bias else ()) + (
+            (prologue_out,) if self.return_layernorm_output else ())
+        return out if len(out) > 1 else y
+
+
+class RMSNormLinear(LayerNormLinear):
+    """``LayerNormLinear`` with ``normalization="RMSNorm"``: ``x / sqrt(mean(x^2) + eps) * g``
+    then the Linear; parameters ``layer_norm_weight``, ``weight``, ``bias``."""
+
+    def __init__(self, in_features: int, out_features: int, eps: float = 1e-5,
+                 bias: bool = True, **kwargs):
+        if kwargs.setdefault("normalization", "RMSNorm") != "RMSNorm":
+            raise ValueError("RMSNormLinear's normalization is RMSNorm; use LayerNormLinear "
+                             "for LayerNorm")
+        super().__init__(in_features, out_features, eps, bias, **kwargs)
+
+
+class ActivationLinear(Linear):
+    """``Linear(act(h))``: GELU (exact, erf) or SwiGLU (``silu(a) * b`` of ``h = [a | b]``, so
+    ``h`` is ``2 * in_features`` wide) and then the Linear, the activation written straight to
+    FP8 inside ``fp8_autocast``. LayerNormMLP's fc2; keyword arguments as ``tpfp8.Linear``."""
+
+    def __init__(self, in_features: int, out_features: int, activation: str = "gelu",
+                 bias: bool = True, device=None, dtype=None, **kwargs):
+        self._activation_code = _choice(activation, _ACTIVATIONS, "activation")
+        self.activation = activation
+        super().__init__(in_features, out_features, bias, device, dtype, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, activation={self.activation}"
+
+    def _prologue(self) -> tuple:
+        return (None, None, self._activation_code, 0.0, False)
+
+
+class LayerNormMLP(nn.Module):
+    """``fc2(act(fc1(norm(x))))``, as TransformerEngine's ``LayerNormMLP``: the norm writes
+    fc1's FP8 input, the activation writes fc2's (see ``LayerNormLinear``).
+
+    Args:
+        hidden_size, ffn_hidden_size: the model and the MLP's widths.
+        eps, normalization, return_layernorm_output: as ``LayerNormLinear``.
+        bias: biases of fc1 and fc2.
+        activation: ``"gelu"`` (exact, erf) or ``"swiglu"`` (fc1 has ``2 * ffn_hidden_size``
+            outputs ``[gate | up]``; ``silu(gate) * up``).
+        set_parallel_mode: fc1 column-parallel and fc2 row-parallel over ``tp_group`` (with
+            ``sequence_parallel``: the input and output split along dim 0).
+        fuse_wgrad_accumulation, name, device, dtype: as ``tpfp8.Linear``.
+
+    ``state_dict`` keys are TransformerEngine's: ``layer_norm_weight``, ``layer_norm_bias``,
+    ``fc1_weight``, ``fc1_bias``, ``fc2_weight``, ``fc2_bias`` (the FP8 state stays under
+    ``fc1._extra_state`` and ``fc2._extra_state``); the modules are ``fc1``
+    (``LayerNormLinear``) and ``fc2`` (``ActivationLinear``).
+    ``forward(x, is_first_microbatch=None)`` returns ``y`` or, with
+    ``return_layernorm_output``, ``(y, normalized x)``.
+    """
+
+    _KEYS = {"fc1.layer_norm_weight": "layer_norm_weight",
+             "fc1.layer_norm_bias": "layer_norm_bias", "fc1.weight": "fc1_weight",
+             "fc1.bias": "fc1_bias", "fc2.weight": "fc2_weight", "fc2.bias": "fc2_bias"}
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5,
+                 bias: bool = True, normalization: str = "LayerNorm", activation: str = "gelu",
+                 return_layernorm_output: bool = False, device=None, dtype=None, *,
+                 set_parallel_mode: bool = False, tp_group=None, sequence_parallel: bool = False,
+                 fuse_wgrad_accumulation: bool = False, name: Optional[str] = None):
+        super().__init__()
+        _choice(activation, _ACTIVATIONS, "activation")
+        gated = activation == "swiglu"
+        common = {"device": device, "dtype": dtype, "tp_group": tp_group,
+                  "sequence_parallel": sequence_parallel,
+                  "fuse_wgrad_accumulation": fuse_wgrad_accumulation}
+        self.fc1 = LayerNormLinear(
+            hidden_size, ffn_hidden_size * (2 if gated else 1), eps, bias, normalization,
+            return_layernorm_output, parallel_mode="column" if set_parallel_mode else None,
+            name=f"{name}.fc1" if name else None, _gated=gated, **common)
+        self.fc2 = ActivationLinear(
+            ffn_hidden_size, hidden_size, activation, bias,
+            parallel_mode="row" if set_parallel_mode else None,
+            name=f"{name}.fc2" if name else None, **common)
+        self.return_layernorm_output = return_layernorm_output
+        self._register_state_dict_hook(LayerNormMLP._te_keys)
+        self._register_load_state_dict_pre_hook(self._own_keys, with_module=False)
+
+    @staticmethod
+    def _te_keys(module, state_dict, prefix, local_metadata):
+        for mine, theirs in LayerNormMLP._KEYS.items():
+            if prefix + mine in state_dict:
+                state_dict[prefix + theirs] = state_dict.pop(prefix + mine)
+        return state_dict
+
+    @staticmethod
+    def _own_keys(state_dict, prefix, *args):
+        for mine, theirs in LayerNormMLP._KEYS.items():
+            if prefix + theirs in state_dict:
+                state_dict[prefix + mine] = state_dict.pop(prefix + theirs)
+
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        h = self.fc1(x, is_first_microbatch)
+        normalized = None
+        if self.return_layernorm_output:
+            h, normalized = h
+        y = self.fc2(h, is_first_microbatch)
+        return (y, normalized) if self.return_layernorm_output else y

@@ -1,0 +1,345 @@
+"""The fused modules (tpfp8.LayerNormLinear, RMSNormLinear, LayerNormMLP): equal, bit for bit,
+to the unfused composition of the same recipe -- our norm / activation op in high precision,
+then tpfp8.Linear -- in outputs, every gradient and the FP8 state; close to an fp64 emulation;
+TransformerEngine's parameter names; clear errors that leave the state alone; torch.compile
+whole; activation checkpointing; debugging. (Tensor parallelism: tp_worker.py.)"""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import tpfp8
+from tpfp8 import ops
+
+import fp8_oracle
+from conftest import state_of
+
+DELAYED, CURRENT = tpfp8.DelayedScaling(), tpfp8.CurrentScaling()
+RECIPES = {"high precision": None, "delayed": DELAYED, "current": CURRENT}
+
+
+class _Norm(torch.autograd.Function):
+    """Our norm in high precision (tpfp8.ops.norm_cast) with its backward op: the unfused
+    reference's first step."""
+
+    @staticmethod
+    def forward(ctx, x, gamma, beta, rms_norm, eps):
+        x2 = x.reshape(-1, x.shape[-1])
+        r = ops.norm_cast(x2, gamma, beta, rms_norm=rms_norm, eps=eps, out=True, rowwise=False,
+                          columnwise=False, stats=True)
+        ctx.save_for_backward(x2, gamma, r.mean, r.rstd)
+        ctx.rms_norm = rms_norm
+        return r.out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, gamma, mean, rstd = ctx.saved_tensors
+        dx, dgamma, dbeta = torch.ops.tpfp8.norm_backward(dy.reshape(x.shape).contiguous(), x,
+                                                          mean, rstd, gamma, ctx.rms_norm)
+        return dx.view(dy.shape), dgamma, (None if ctx.rms_norm else dbeta), None, None
+
+
+class _Activation(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, activation):
+        ctx.save_for_backward(h)
+        ctx.activation = activation
+        return ops.activation_cast(h, torch.ones(1, device=h.device), activation,
+                                   rowwise=False, columnwise=False, high_precision=True).out
+
+    @staticmethod
+    def backward(ctx, dy):
+        (h,) = ctx.saved_tensors
+        dx = ops.activation_backward_cast(dy.contiguous(), h, torch.ones(1, device=h.device),
+                                          ctx.activation, rowwise=False, columnwise=False,
+                                          high_precision=True).out
+        return dx, None
+
+
+class NormThenLinear(nn.Module):
+    """The unfused composition of a LayerNormLinear: the same parameters, as two steps."""
+
+    def __init__(self, fused):
+        super().__init__()
+        self.fused = fused
+        self.linear = tpfp8.Linear(fused.in_features, fused.out_features,
+                                   bias=fused.bias is not None, device=fused.weight.device)
+        self.linear.weight, self.linear.bias = fused.weight, fused.bias
+
+    def forward(self, x):
+        f = self.fused
+        return self.linear(_Norm.apply(x, f.layer_norm_weight, f.layer_norm_bias,
+                                       f.normalization == "RMSNorm", f.eps))
+
+
+def make_norm_linear(normalization, device, bias=True, k=64, n=48, **kw):
+    torch.manual_seed(0)
+    fused = tpfp8.LayerNormLinear(k, n, bias=bias, normalization=normalization, device=device,
+                                  **kw)
+    with torch.no_grad():  # (not the initial 1 and 0: every term of the norm shows)
+        fused.layer_norm_weight.uniform_(0.5, 1.5)
+        if fused.layer_norm_bias is not None:
+            fused.layer_norm_bias.uniform_(-0.5, 0.5)
+    return fused, NormThenLinear(copy.deepcopy(fused))
+
+
+def train_step(model, x, recipe, outputs=lambda y: y, params=None):
+    """One forward and backward; what it computed and the gradients of `params` (the model's
+    parameters unless given)."""
+    params = list(model.parameters() if params is None else params)
+    x = x.clone().requires_grad_(True)
+    with tpfp8.fp8_autocast(enabled=recipe is not None, recipe=recipe):
+        y = outputs(model(x))
+    (y * torch.linspace(-1, 1, y.shape[-1], device=y.device)).square().sum().backward()
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return [y.detach(), x.grad] + grads
+
+
+def assert_same(got, want, what=""):
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert (a is None and b is None) or torch.equal(a, b), f"{what} item {i}"
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_linear_equals_norm_then_linear(device, recipe, normalization, dtype):
+    fused, ref = make_norm_linear(normalization, device)
+    fused, ref = fused.to(dtype), ref.to(dtype)
+    x = torch.randn(2, 40, 64, device=device, dtype=dtype) * 3 + 1
+    for i in range(3):  # (delayed scaling: the scales move between steps)
+        got = train_step(fused, x * (i + 1), RECIPES[recipe])
+        want = train_step(ref, x * (i + 1), RECIPES[recipe])
+        assert_same(got, want, f"step {i}")
+        assert_same(state_of(fused), state_of(ref.linear), f"FP8 state, step {i}")
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_mlp_equals_its_composition(device, recipe, activation):
+    """fp32, where the activation's FP8 codes (cast from its fp32 value) equal the cast of its
+    high-precision output."""
+    torch.manual_seed(0)
+    mlp = tpfp8.LayerNormMLP(64, 32, activation=activation, normalization="RMSNorm",
+                             device=device)
+    fc1 = NormThenLinear(copy.deepcopy(mlp.fc1))
+    fc2 = tpfp8.Linear(32, 64, device=device)
+    fc2.load_state_dict(mlp.fc2.state_dict())
+
+    def ref(x):
+        return fc2(_Activation.apply(fc1(x), activation))
+    ref_params = list(fc1.parameters()) + list(fc2.parameters())
+    x = torch.randn(48, 64, device=device)
+    for i in range(3):
+        got = train_step(mlp, x * (i + 1), RECIPES[recipe])
+        want = train_step(ref, x * (i + 1), RECIPES[recipe], params=ref_params)
+        assert_same(got, want, f"step {i}")
+        assert_same(state_of(mlp.fc2), state_of(fc2), f"fc2 FP8 state, step {i}")
+
+
+def test_norm_linear_is_close_to_an_fp64_emulation(device):
+    """Current scaling: quantize(norm(x)) and quantize(W) as the oracle encodes them, the GEMM
+    in fp64. (The norm itself in fp64: a code may land on the other side of a rounding
+    boundary, hence a tolerance of a few FP8 steps' worth in the sum.)"""
+    fused, _ = make_norm_linear("LayerNorm", device)
+    x = torch.randn(64, 64, device=device) * 2
+    with tpfp8.fp8_autocast(recipe=CURRENT):
+        y = fused(x)
+    x64 = x.double().cpu()
+    ln = torch.nn.functional.layer_norm(
+        x64, (64,), fused.layer_norm_weight.double().cpu(), fused.layer_norm_bias.double().cpu(),
+        fused.eps)
+    w64 = fused.weight.double().cpu()
+
+    def fq(t, fmt="e4m3"):
+        return fp8_oracle.fake_quant(t, fp8_oracle.current_scale(t, fmt), fmt)
+    want = fq(ln) @ fq(w64).T + fused.bias.double().cpu()
+    err = (y.double().cpu() - want).abs().max() / want.abs().max()
+    assert err < 2e-2, err
+
+
+def test_return_layernorm_output_gets_its_gradient(device):
+    """The normalized input returned beside y (a residual after the norm) carries gradient to
+    x and the norm's parameters, as the composition's does."""
+    fused, ref = make_norm_linear("LayerNorm", device, return_layernorm_output=True)
+    x = torch.randn(32, 64, device=device)
+
+    def both(out):
+        y, normalized = out
+        return torch.cat([y, normalized], dim=-1)
+    for recipe in RECIPES.values():
+        got = train_step(fused, x, recipe, both)
+        want = train_step(lambda t: (ref(t), _Norm.apply(
+            t, ref.fused.layer_norm_weight, ref.fused.layer_norm_bias, False, ref.fused.eps)),
+            x, recipe, both, params=ref.parameters())
+        assert torch.equal(got[0], want[0])
+        for a, b in zip(got[1:], want[1:]):  # (two sums into one gradient: order may differ)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_outputs_in_order_y_bias_norm(device):
+    fused, _ = make_norm_linear("RMSNorm", device, return_bias=True,
+                                return_layernorm_output=True)
+    y, bias, normalized = fused(torch.randn(4, 64, device=device))
+    assert y.shape == (4, 48) and bias is fused.bias and normalized.shape == (4, 64)
+
+
+def test_rms_norm_linear_and_te_parameter_names():
+    layer = tpfp8.RMSNormLinear(32, 16, eps=1e-6)
+    assert layer.normalization == "RMSNorm" and layer.layer_norm_bias is None
+    assert set(layer.state_dict()) == {"weight", "bias", "layer_norm_weight", "_extra_state"}
+    mlp = tpfp8.LayerNormMLP(32, 64)
+    assert set(mlp.state_dict()) == {
+        "layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc1_bias", "fc2_weight",
+        "fc2_bias", "fc1._extra_state", "fc2._extra_state"}
+    swiglu = tpfp8.LayerNormMLP(32, 64, activation="swiglu", bias=False)
+    assert swiglu.state_dict()["fc1_weight"].shape == (128, 32)
+
+
+def test_mlp_state_dict_round_trip_keeps_fp8_state():
+    torch.manual_seed(0)
+    mlp = tpfp8.LayerNormMLP(32, 64, activation="swiglu")
+    with tpfp8.fp8_autocast(recipe=DELAYED):
+        mlp(torch.randn(16, 32)).sum().backward()
+    other = tpfp8.LayerNormMLP(32, 64, activation="swiglu")
+    other.load_state_dict(mlp.state_dict())
+    x = torch.randn(16, 32)
+    with tpfp8.fp8_autocast(recipe=DELAYED):
+        assert torch.equal(other(x), mlp(x))
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda: tpfp8.LayerNormLinear(32, 16, normalization="BatchNorm"), "normalization must be"),
+    (lambda: tpfp8.LayerNormLinear(32, 16, eps=-1.0), "eps must be >= 0"),
+    (lambda: tpfp8.RMSNormLinear(32, 16, normalization="LayerNorm"), "RMSNorm"),
+    (lambda: tpfp8.LayerNormMLP(32, 64, activation="relu"), "activation must be"),
+])
+def test_bad_settings_are_value_errors(bad, message):
+    with pytest.raises(ValueError, match=message):
+        bad()
+
+
+def test_row_parallel_norm_is_refused():
+    with pytest.raises(ValueError, match="row-parallel"):
+        tpfp8.LayerNormLinear(32, 16, parallel_mode="row", tp_group=object())
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_bad_input_is_a_value_error_and_changes_nothing(recipe):
+    fused, _ = make_norm_linear("LayerNorm", "cpu")
+    with tpfp8.fp8_autocast(recipe=RECIPES[recipe]):
+        fused(torch.randn(8, 64)).sum().backward()
+    before = state_of(fused)
+    with tpfp8.fp8_autocast(recipe=RECIPES[recipe]):
+        with pytest.raises(ValueError, match=r"in_features=64"):
+            fused(torch.randn(8, 32))
+    assert_same(state_of(fused), before)
+
+
+def test_norm_kernel_limits_are_clear_errors():
+    with pytest.raises(ValueError, match="multiple of 16 and at most 16384"):
+        tpfp8.LayerNormLinear(24, 16)(torch.randn(4, 24))
+
+
+def test_swiglu_mlp_input_width_error():
+    mlp = tpfp8.LayerNormMLP(32, 64, activation="swiglu")
+    with pytest.raises(ValueError, match=r"2 x in_features=128"):
+        mlp.fc2(torch.randn(4, 64))
+
+
+def test_meta_device_gives_shapes():
+    mlp = tpfp8.LayerNormMLP(32, 64, activation="swiglu", device="meta",
+                             return_layernorm_output=True)
+    y, normalized = mlp(torch.randn(2, 5, 32, device="meta"))
+    assert y.shape == (2, 5, 32) and normalized.shape == (2, 5, 32)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpoint_equals_plain_step(recipe, use_reentrant):
+    torch.manual_seed(0)
+    mlp = tpfp8.LayerNormMLP(32, 64, activation="gelu")
+    twin = copy.deepcopy(mlp)
+    x = torch.randn(16, 32)
+    for i in range(2):
+        got = train_step(lambda t: torch.utils.checkpoint.checkpoint(
+            mlp, t, use_reentrant=use_reentrant), x * (i + 1), RECIPES[recipe],
+            params=mlp.parameters())
+        want = train_step(twin, x * (i + 1), RECIPES[recipe])
+        assert_same(got, want, f"step {i}")
+
+
+class FusedBlock(nn.Module):
+    def __init__(self, device, **kw):
+        super().__init__()
+        self.attn_in = tpfp8.RMSNormLinear(32, 48, device=device, name="qkv", **kw)
+        self.mlp = tpfp8.LayerNormMLP(48, 64, activation="swiglu", device=device, name="mlp",
+                                      fuse_wgrad_accumulation=kw.get(
+                                          "fuse_wgrad_accumulation", False))
+
+    def forward(self, x, is_first_microbatch=None):
+        return self.mlp(self.attn_in(x, is_first_microbatch), is_first_microbatch)
+
+
+def with_main_grad(block):
+    for layer in block.modules():
+        if isinstance(layer, tpfp8.Linear) and layer.fuse_wgrad_accumulation:
+            layer.weight.main_grad = torch.zeros_like(layer.weight, dtype=torch.float32)
+    return block
+
+
+COMPILE_CONFIGS = {
+    "high precision": (None, {}, None),
+    "delayed": (DELAYED, {}, None),
+    "current": (CURRENT, {}, None),
+    "delayed weight cache + main_grad": (DELAYED, {"fuse_wgrad_accumulation": True},
+                                         (True, False, False)),
+    "current save_original_input": (CURRENT, {"save_original_input": True}, None),
+}
+
+
+@pytest.mark.parametrize("name", COMPILE_CONFIGS)
+def test_compiled_fused_modules_equal_eager_with_no_graph_break(device, name):
+    recipe, options, firsts = COMPILE_CONFIGS[name]
+    torch.manual_seed(0)
+    eager = with_main_grad(FusedBlock(device, **options))
+    torch._dynamo.reset()
+    model = with_main_grad(copy.deepcopy(eager))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(16, 32, device=device)
+    with tpfp8.fp8_autocast(enabled=recipe is not None, recipe=recipe):
+        explained = torch._dynamo.explain(with_main_grad(copy.deepcopy(eager)))(
+            x, firsts and firsts[0])
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, \
+        explained.break_reasons
+
+    def step(m, t, first):
+        out = train_step(lambda u: m(u, first), t, recipe, params=m.parameters())
+        out += [getattr(p, "main_grad", None) for p in m.parameters()]
+        return out + [b.clone() for b in m.buffers()]
+    for i in range(3):
+        first = firsts and firsts[i]
+        got = step(compiled, x * (i + 1), first)
+        want = step(eager, x * (i + 1), first)
+        assert_same(got[:2], want[:2], f"step {i}")
+        assert_same(got[2:], [g for g in want[2:]], f"step {i}")
+
+
+def test_debug_runs_the_norm_in_high_precision_and_reports(device):
+    """Debugging takes the unfused path (the normalized values, then the cast), which is
+    what the composition computes."""
+    tpfp8.debug.initialize([{"layers": "probe", "features": {"log_stats": {}}}])
+    try:
+        fused, ref = make_norm_linear("LayerNorm", device, name="probe")
+        ref.linear.name = "probe"
+        x = torch.randn(16, 64, device=device)
+        got = train_step(fused, x, DELAYED)
+        want = train_step(ref, x, DELAYED)
+        assert_same(got, want)
+        assert tpfp8.debug.records()
+    finally:
+        tpfp8.debug.shutdown()
