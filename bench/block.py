@@ -13,6 +13,7 @@ tiny = 64 / 128 / 4 / 2 (smoke runs). Each step is --batch sequences of --seq to
 2 x 4096 = 8192 tokens). Timing, compilation, error and state checks as bench/compile.py (it
 runs the cases); speed-ups are against the faster of bf16 eager and bf16 compiled.
 """
+import copy
 import os
 import sys
 
@@ -22,6 +23,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import compile as cases_runner  # noqa: E402  (bench/compile.py)
+import tpfp8  # noqa: E402
 from common import device_name, make_parser, print_table, save_json  # noqa: E402
 
 SIZES = {"8b": (4096, 14336, 32, 8), "1b": (2048, 8192, 32, 8), "tiny": (64, 128, 4, 2)}
@@ -71,6 +73,49 @@ class DecoderLayer(nn.Module):
         x = x + self.o_proj(o.transpose(1, 2).reshape(rows, hidden))
         m = self.mlp_norm(x)
         return x + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+
+    def fused(self) -> nn.Module:
+        return FusedDecoderLayer(self)
+
+
+class FusedDecoderLayer(DecoderLayer):
+    """The same layer with tpfp8's fused modules and these parameters: RMSNormLinear for the
+    attention's norm and its q, k, v projections (one weight), LayerNormMLP (RMSNorm,
+    SwiGLU) for the MLP; o_proj a tpfp8.Linear."""
+
+    def __init__(self, layer: DecoderLayer):
+        nn.Module.__init__(self)
+        self.heads, self.kv_heads = layer.heads, layer.kv_heads
+        self.seq, self.head_dim = layer.seq, layer.head_dim
+        hidden, ffn = layer.q_proj.in_features, layer.gate_proj.out_features
+        kw = {"device": layer.q_proj.weight.device, "dtype": torch.bfloat16, "bias": False}
+        projections = [layer.q_proj, layer.k_proj, layer.v_proj]
+        self.qkv = tpfp8.RMSNormLinear(hidden, sum(p.out_features for p in projections),
+                                       eps=layer.attn_norm.eps, **kw)
+        self.split = [p.out_features for p in projections]
+        self.o_proj = tpfp8.swap_linear(copy.deepcopy(layer.o_proj))
+        self.mlp = tpfp8.LayerNormMLP(hidden, ffn, eps=layer.mlp_norm.eps,
+                                      normalization="RMSNorm", activation="swiglu", **kw)
+        with torch.no_grad():
+            self.qkv.weight.copy_(torch.cat([p.weight for p in projections]))
+            self.qkv.layer_norm_weight.copy_(layer.attn_norm.weight)
+            self.mlp.fc1.weight.copy_(torch.cat([layer.gate_proj.weight, layer.up_proj.weight]))
+            self.mlp.fc1.layer_norm_weight.copy_(layer.mlp_norm.weight)
+            self.mlp.fc2.weight.copy_(layer.down_proj.weight)
+        self.register_buffer("cos", layer.cos, persistent=False)
+        self.register_buffer("sin", layer.sin, persistent=False)
+
+    def forward(self, x):
+        rows, hidden = x.shape
+        q, k, v = self.qkv(x).split(self.split, dim=-1)
+        q = self.rotary(self.heads_of(q, self.heads))
+        k = self.rotary(self.heads_of(k, self.kv_heads))
+        v = self.heads_of(v, self.kv_heads)
+        repeat = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o_proj(o.transpose(1, 2).reshape(rows, hidden))
+        return x + self.mlp(x)
 
 
 def main(argv=None):

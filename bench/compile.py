@@ -11,7 +11,9 @@ speed-up is against the FASTER of the two bf16 variants at that size.
 
 Every model is a copy of one bf16 model (bf16 parameters, as bench/linear.py holds them: fp32
 master weights live in the optimizer; bf16 activations and gradients). The tpfp8 models are
-tpfp8.swap_linear of it, the torchao ones torchao.float8.convert_to_float8_training of it.
+tpfp8.swap_linear of it (the "fused" ones: fc2 a tpfp8.ActivationLinear, which takes the GELU
+written straight to FP8 by one kernel), the torchao ones torchao.float8.convert_to_float8_training
+of it.
 A step is gradients set to None, then forward and backward of one [tokens, hidden] bf16 input
 (requires_grad, so dx is computed as for a block inside a model) against a fixed random output
 gradient. For tpfp8 the step runs inside `with tpfp8.fp8_autocast(recipe=...)`, opened OUTSIDE
@@ -59,6 +61,10 @@ CASES = [
     ("tpfp8 current eager", "tpfp8", "current", None),
     ("tpfp8 current compile", "tpfp8", "current", "default"),
     ("tpfp8 current compile reduce-overhead", "tpfp8", "current", "reduce-overhead"),
+    ("tpfp8 fused delayed eager", "tpfp8 fused", "delayed", None),
+    ("tpfp8 fused delayed compile", "tpfp8 fused", "delayed", "default"),
+    ("tpfp8 fused delayed compile reduce-overhead", "tpfp8 fused", "delayed", "reduce-overhead"),
+    ("tpfp8 fused current compile", "tpfp8 fused", "current", "default"),
     ("torchao tensorwise compile", "torchao", "tensorwise", "default"),
     ("torchao rowwise compile", "torchao", "rowwise", "default"),
 ]
@@ -80,6 +86,15 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.fc2(nn.functional.gelu(self.fc1(x)))
+
+    def fused(self) -> nn.Module:
+        """The same MLP with tpfp8's fused modules: fc1, then fc2 taking GELU's output straight
+        as FP8 (tpfp8.ActivationLinear), with these parameters."""
+        fc1 = tpfp8.swap_linear(copy.deepcopy(self.fc1))
+        fc2 = tpfp8.ActivationLinear(self.fc2.in_features, self.fc2.out_features, "gelu",
+                                     device=self.fc2.weight.device, dtype=self.fc2.weight.dtype)
+        fc2.load_state_dict(self.fc2.state_dict(), strict=False)
+        return nn.Sequential(fc1, fc2)
 
 
 def short(exc, limit=90):
@@ -118,8 +133,10 @@ def build(case, reference, device):
         raise Skip("needs CUDA")
     model = copy.deepcopy(reference)
     recipe = None
-    if family == "tpfp8":
-        model = tpfp8.swap_linear(model)
+    if family.startswith("tpfp8"):
+        if family == "tpfp8 fused" and not hasattr(reference, "fused"):
+            raise Skip("this block has no fused form")
+        model = reference.fused() if family == "tpfp8 fused" else tpfp8.swap_linear(model)
         recipe = tpfp8.DelayedScaling() if variant == "delayed" else tpfp8.CurrentScaling()
     elif family == "torchao":
         config_cls, convert = torchao_float8()
@@ -273,7 +290,7 @@ def run_size(tokens, hidden, args, cases, factory=None):
                 ref_y = y.clone()
             if ref_y is not None:
                 r["rel_err_vs_bf16_eager"] = float((y - ref_y).norm() / ref_y.norm())
-            if r["family"] == "tpfp8" and r["variant"] == "delayed":
+            if r["family"].startswith("tpfp8") and r["variant"] == "delayed":
                 r["scales_updated"] = scales_updated(model)
         except Exception as exc:
             fail(r, name, exc, "checking the output")

@@ -619,7 +619,7 @@ def check_fused_mlp_matches_single_rank(group):
             part.load_full_state_dict(one.full_state_dict())
         x = torch.randn(S * B, K, device=DEVICE)
         exact = recipe is None or (sp and isinstance(recipe, tpfp8.DelayedScaling))
-        bound = 1e-5 if exact else 0.15
+        bound = FP8_TIGHT if exact else 0.15  # (the GPU's GEMMs: summation order, ~1e-4)
         what = f"fused MLP sp={sp} {_recipe_name(recipe)}"
         for step in range(2):
             want = _mlp_step(full, x * (step + 1), recipe, enabled=recipe is not None)
