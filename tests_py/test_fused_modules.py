@@ -343,3 +343,26 @@ def test_debug_runs_the_norm_in_high_precision_and_reports(device):
         assert tpfp8.debug.records()
     finally:
         tpfp8.debug.shutdown()
+
+
+@pytest.mark.parametrize("norm", ["LayerNorm", "RMSNorm"])
+def test_swap_fused_converts_sequential_pairs(norm):
+    torch.manual_seed(0)
+    norm_layer = nn.LayerNorm(64) if norm == "LayerNorm" else nn.RMSNorm(64, eps=1e-6)
+    model = nn.Sequential(norm_layer, nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64),
+                          nn.GELU(approximate="tanh"), nn.Linear(64, 32))
+    with torch.no_grad():
+        norm_layer.weight.uniform_(0.5, 1.5)
+    plain = tpfp8.swap_linear(copy.deepcopy(model))
+    fused = tpfp8.swap_fused(model)
+    kinds = [type(m) for m in fused]
+    assert kinds == [nn.Identity, tpfp8.LayerNormLinear, nn.Identity, tpfp8.ActivationLinear,
+                     nn.GELU, nn.Linear]  # (tanh GELU is not ours to fuse)
+    fused = tpfp8.swap_linear(fused)  # (the rest)
+    assert fused[1].normalization == norm and fused[1].layer_norm_weight is norm_layer.weight
+    x = torch.randn(32, 64)
+    torch.testing.assert_close(fused(x), plain(x), rtol=1e-5, atol=1e-5)
+    for recipe in (DELAYED, CURRENT):  # FP8: the same casts up to a code at a rounding edge
+        with tpfp8.fp8_autocast(recipe=recipe):
+            got, want = fused(x), plain(x)
+        assert float((got - want).norm() / want.norm()) < 2e-2

@@ -19,12 +19,12 @@ from . import parallel
 from . import debug
 from .autocast import checkpoint, fp8_autocast
 from .module import Linear, load_fp8_state, swap_linear
-from .fused import ActivationLinear, LayerNormLinear, LayerNormMLP, RMSNormLinear
+from .fused import ActivationLinear, LayerNormLinear, LayerNormMLP, RMSNormLinear, swap_fused
 from .recipe import CurrentScaling, DelayedScaling
 
 __all__ = ["ActivationLinear", "CurrentScaling", "DelayedScaling", "Fp8Format", "LayerNormLinear",
            "LayerNormMLP", "Linear", "RMSNormLinear", "checkpoint", "debug", "fp8_autocast",
-           "load_fp8_state", "ops", "parallel", "swap_linear", "with_cuda"]
+           "load_fp8_state", "ops", "parallel", "swap_fused", "swap_linear", "with_cuda"]
 __version__ = "0.1.0"
 
 

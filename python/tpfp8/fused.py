@@ -226,3 +226,69 @@ class LayerNormMLP(nn.Module):
             h, normalized = h
         y = self.fc2(h, is_first_microbatch)
         return (y, normalized) if self.return_layernorm_output else y
+
+
+def swap_fused(model: nn.Module) -> nn.Module:
+    """Fuses, in place, what the module tree says is unambiguous: inside every
+    ``nn.Sequential``, a ``nn.LayerNorm`` / ``nn.RMSNorm`` (affine, over the last dimension)
+    directly followed by a ``nn.Linear`` or ``tpfp8.Linear`` becomes one ``LayerNormLinear``
+    (the norm's slot an ``nn.Identity``), and a linear layer directly after an exact
+    ``nn.GELU()`` becomes an ``ActivationLinear`` taking the GELU's input. The new modules hold
+    the same parameters. Elsewhere the data flow is not in the tree (a norm may feed several
+    projections, or a residual), so nothing else changes; convert the remaining ``nn.Linear``
+    layers with :func:`tpfp8.swap_linear`. Returns ``model``."""
+    for seq in [m for m in model.modules() if isinstance(m, nn.Sequential)]:
+        names = list(seq._modules)
+        for a, b in zip(names, names[1:]):
+            first, second = seq._modules[a], seq._modules[b]
+            if not _plain_linear(second):
+                continue
+            if _fusable_norm(first):
+                seq._modules[b] = _norm_linear(first, second)
+                seq._modules[a] = nn.Identity()
+            elif type(first) is nn.GELU and first.approximate == "none":
+                seq._modules[b] = _activation_linear(second)
+                seq._modules[a] = nn.Identity()
+    return model
+
+
+def _plain_linear(m) -> bool:
+    return type(m) is nn.Linear or (type(m) is Linear and m.parallel_mode is None)
+
+
+def _fusable_norm(m) -> bool:
+    if type(m) is nn.LayerNorm:
+        return m.elementwise_affine and len(m.normalized_shape) == 1
+    rms = getattr(nn, "RMSNorm", None)  # (torch >= 2.4)
+    return rms is not None and type(m) is rms and m.weight is not None and \
+        len(m.normalized_shape) == 1
+
+
+def _norm_linear(norm, lin) -> LayerNormLinear:
+    rms = type(norm) is not nn.LayerNorm
+    eps = norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
+    new = LayerNormLinear(lin.in_features, lin.out_features, eps=eps,
+                          bias=lin.bias is not None,
+                          normalization="RMSNorm" if rms else "LayerNorm", device="meta")
+    new.weight, new.bias = lin.weight, lin.bias
+    new.layer_norm_weight = norm.weight
+    if not rms:
+        new.layer_norm_bias = norm.bias
+    return _adopted(new, lin)
+
+
+def _activation_linear(lin) -> ActivationLinear:
+    new = ActivationLinear(lin.in_features, lin.out_features, "gelu", bias=lin.bias is not None,
+                           device="meta")
+    new.weight, new.bias = lin.weight, lin.bias
+    return _adopted(new, lin)
+
+
+def _adopted(new: Linear, old) -> Linear:
+    """`new` with a tpfp8.Linear `old`'s settings, and fresh FP8 state on its weight's
+    device."""
+    for attr in ("save_original_input", "fuse_wgrad_accumulation", "return_bias", "name"):
+        if hasattr(old, attr):
+            setattr(new, attr, getattr(old, attr))
+    new._reset_fp8_state()
+    return new
