@@ -118,3 +118,21 @@ def test_demo_help():
                    "--debug-config", "--out"):
         assert option in out
     assert "4096 on a GPU" in out
+
+
+def test_fused_copy_computes_what_the_model_computes(tmp_path):
+    """--fused: the same weights in RMSNormLinear / LayerNormMLP (gate_up regrouped): the
+    same function in high precision (up to the norms' rounding), and it trains in FP8."""
+    model = demo.build_model(tiny_args(), None, torch.device("cpu"))
+    fused = demo.fused_copy(model)
+    assert isinstance(fused.layers[0].attn.qkv, tpfp8.RMSNormLinear)
+    assert isinstance(fused.layers[0].mlp, tpfp8.LayerNormMLP)
+    tokens = torch.randint(0, 256, (32, 4))
+    torch.testing.assert_close(fused(tokens), model(tokens), rtol=1e-4, atol=1e-5)
+    args = tiny_args("--fused", "--out", "unused")
+    assert args.tp == 1
+    with pytest.raises(SystemExit, match="one device"):
+        tiny_args("--fused", "--tp", "2")
+    summary = demo.run(tiny_args("--fused", "--steps", "20", "--out", str(tmp_path)), None,
+                       torch.device("cpu"))
+    assert abs(summary["gap"]) < 0.05 and summary["fp8_linears_with_state"] == 8

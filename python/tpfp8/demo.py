@@ -75,6 +75,9 @@ def parse_args(argv=None):
     p.add_argument("--data-mb", type=float, default=32,
                    help="read at most this many MB of the standard library (default: 32)")
     p.add_argument("--seed", type=int, default=0, help="weights and batches (default: 0)")
+    p.add_argument("--fused", action="store_true",
+                   help="FP8 run with tpfp8's fused modules (RMSNormLinear for norm + qkv, "
+                        "LayerNormMLP for norm + SwiGLU MLP); one device (--tp 1)")
     p.add_argument("--debug-config", default=None,
                    help="tpfp8.debug rules (JSON/YAML path) applied to the FP8 run")
     p.add_argument("--out", default="demo_out",
@@ -88,7 +91,9 @@ def resolve(args, cuda: bool):
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.tp is None:
-        args.tp = 2 if cuda and torch.cuda.device_count() >= 2 else 1
+        args.tp = 1 if args.fused else 2 if cuda and torch.cuda.device_count() >= 2 else 1
+    if args.fused and args.tp != 1:
+        raise SystemExit("--fused runs on one device: use --tp 1")
     per_rank = 16 * args.tp  # FP8 GEMMs need feature sizes (per rank) that are multiples of 16
     for what, value, divisor in (("--hidden", args.hidden, per_rank),
                                  ("--ffn", args.ffn, per_rank),
@@ -234,6 +239,34 @@ def build_model(args, group, device) -> nn.Module:
 def fp8_copy(model: nn.Module) -> nn.Module:
     """A copy of model whose layers' Linears are tpfp8.Linear (the LM head stays)."""
     return tpfp8.swap_linear(copy.deepcopy(model), filter_fn=lambda _, name: name != "lm_head")
+
+
+def fused_copy(model: nn.Module) -> nn.Module:
+    """fp8_copy with tpfp8's fused modules: each layer's attention norm and qkv become one
+    RMSNormLinear, its MLP norm and MLP one LayerNormMLP (SwiGLU: gate_up's alternating gate,
+    up rows regrouped as [gate | up]); the same weights. One device."""
+    fused = fp8_copy(model)
+    for layer in fused.layers:
+        norm, qkv = layer.attn_norm, layer.attn.qkv
+        kw = {"device": qkv.weight.device, "dtype": qkv.weight.dtype, "bias": False}
+        new_qkv = tpfp8.RMSNormLinear(qkv.in_features, qkv.out_features, eps=_eps(norm), **kw)
+        mlp = tpfp8.LayerNormMLP(layer.mlp.gate_up.in_features, layer.mlp.down.in_features,
+                                 eps=_eps(layer.mlp_norm), normalization="RMSNorm",
+                                 activation="swiglu", **kw)
+        with torch.no_grad():
+            new_qkv.weight.copy_(qkv.weight)
+            new_qkv.layer_norm_weight.copy_(norm.weight)
+            gate_up = layer.mlp.gate_up.weight
+            mlp.fc1.weight.copy_(torch.cat([gate_up[0::2], gate_up[1::2]]))
+            mlp.fc1.layer_norm_weight.copy_(layer.mlp_norm.weight)
+            mlp.fc2.weight.copy_(layer.mlp.down.weight)
+        layer.attn.qkv, layer.attn_norm = new_qkv, nn.Identity()
+        layer.mlp, layer.mlp_norm = mlp, nn.Identity()
+    return fused
+
+
+def _eps(norm: nn.RMSNorm) -> float:
+    return norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
 
 
 # -- training -------------------------------------------------------------------------------
@@ -443,10 +476,12 @@ def run(args, group, device, backend="") -> dict:
     rank0 = group_rank(group) == 0
     data = stdlib_bytes(args.data_mb).to(device)
     model = build_model(args, group, device)
-    fp8_model = fp8_copy(model)  # the same weights, made before either run trains
+    # The same weights, made before either run trains.
+    fp8_model = fused_copy(model) if args.fused else fp8_copy(model)
     if rank0:
         print(describe(args, model, data, group, device, backend), flush=True)
-    hp_label, fp8_label = args.dtype, f"FP8 ({args.recipe})"
+    hp_label = args.dtype
+    fp8_label = f"FP8 ({args.recipe}{', fused modules' if args.fused else ''})"
     runs = {hp_label: train(model, data, args, False, group, hp_label)}
     del model
     if args.debug_config:
