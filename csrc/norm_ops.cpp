@@ -1,6 +1,7 @@
-// Torch ops over the fused norm -> FP8 cast (kernels/norm_cast.h) and the norm's backward:
-// validate, fill the params struct, run on the input's device. Outputs are caller-provided
-// buffers, as for the cast ops; tpfp8/ops.py allocates them for casual use.
+// Torch ops over the fused norm -> FP8 cast (kernels/norm_cast.h) and the norm's backward
+// (kernels/norm_backward.h): validate, fill the params struct, run on the input's device. The
+// cast's outputs are caller-provided buffers, as for the cast ops (tpfp8/ops.py allocates them
+// for casual use); the backward allocates its own.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -8,6 +9,7 @@
 
 #include "checks.h"
 #include "device_dispatch.h"
+#include "kernels/norm_backward.h"
 #include "kernels/norm_cast.h"
 #include "ops.h"
 
@@ -149,10 +151,8 @@ void norm_cast_current(const at::Tensor& input, const at::Tensor& gamma, const O
                  columnwise, std::nullopt, scale_inv, mean, rstd, fp8_format);
 }
 
-// Composed from ATen ops in fp32 (no kernel of ours yet): with xhat = (x - mean) * rstd
-// (LayerNorm) or x * rstd (RMSNorm) and g = dy * gamma,
-//   dx = rstd * (g - mean(g) - xhat * mean(g * xhat))   (RMSNorm: without the mean(g) term)
-//   dgamma = sum_rows(dy * xhat), dbeta = sum_rows(dy)  (RMSNorm: dbeta is empty)
+// The norm's backward (kernels/norm_backward.h): dx from one pass over x and dy, dgamma / dbeta
+// as per-band column sums added in a fixed order -- the same bytes every run, on CPU and GPU.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward(
     const at::Tensor& dy, const at::Tensor& x, const OptTensor& mean, const at::Tensor& rstd,
     const at::Tensor& gamma, bool rms_norm) {
@@ -182,17 +182,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward(
   high_precision_dtype(gamma, "gamma");
   check_same_device(gamma, x, "gamma", "x");
 
-  const at::Tensor xf = x.to(at::kFloat), dyf = dy.to(at::kFloat);
-  const at::Tensor r = rstd.unsqueeze(1);
-  const at::Tensor xhat = mean ? (xf - mean->unsqueeze(1)) * r : xf * r;
-  const at::Tensor g = dyf * gamma.to(at::kFloat);
-  at::Tensor inner = g - xhat * (g * xhat).mean(1, true);
-  if (!rms_norm) inner = inner - g.mean(1, true);
-  const at::Tensor dx = (inner * r).to(x.scalar_type());
-  const at::Tensor dgamma = (dyf * xhat).sum(0).to(gamma.scalar_type());
-  const at::Tensor dbeta =
-      rms_norm ? at::empty({0}, gamma.options()) : dyf.sum(0).to(gamma.scalar_type());
-  return {dx, dgamma, dbeta};
+  TORCH_CHECK_VALUE(hidden > 0 && hidden % kNormHiddenAlign == 0 && hidden <= kNormMaxHidden,
+                    "norm_backward needs hidden (x.size(1)) a multiple of ", kNormHiddenAlign,
+                    " in [16, ", kNormMaxHidden, "] (norm_cast's limits), got ", hidden);
+
+  // The kernel reads x and dy in one dtype: a dy of another dtype goes in fp32 with x (both
+  // exact), and dx is rounded to x's dtype once, at the end.
+  const bool same_dtype = dy.scalar_type() == x.scalar_type();
+  const at::Tensor xk = (same_dtype ? x : x.to(at::kFloat)).contiguous();
+  const at::Tensor dyk = (same_dtype ? dy : dy.to(at::kFloat)).contiguous();
+  const at::Tensor gamma32 = gamma.to(at::kFloat).contiguous();
+  const at::Tensor rstd_c = rstd.contiguous();
+  const at::Tensor mean_c = mean ? mean->contiguous() : at::Tensor();
+  const at::TensorOptions f32 = x.options().dtype(at::kFloat);
+  const at::Tensor dx = at::empty(xk.sizes(), xk.options());
+  const at::Tensor dgamma = at::empty({hidden}, f32);
+  const at::Tensor dbeta = rms_norm ? at::Tensor() : at::empty({hidden}, f32);
+  const at::Tensor partial =  // the CPU reference needs no workspace
+      x.device().is_cpu() ? at::Tensor()
+                          : at::empty({norm_backward_workspace_floats(rows, hidden)}, f32);
+
+  NormBackwardParams p;
+  p.dy = dyk.data_ptr();
+  p.x = xk.data_ptr();
+  p.dtype = high_precision_dtype(xk, "x");
+  p.rows = rows;
+  p.hidden = hidden;
+  p.norm = norm_type(rms_norm);
+  p.mean = mean ? mean_c.data_ptr<float>() : nullptr;
+  p.rstd = rstd_c.data_ptr<float>();
+  p.gamma = gamma32.data_ptr<float>();
+  p.dx = dx.data_ptr();
+  p.dgamma = dgamma.data_ptr<float>();
+  p.dbeta = rms_norm ? nullptr : dbeta.data_ptr<float>();
+  p.partial = partial.defined() ? partial.data_ptr<float>() : nullptr;
+  run_on_device(
+      x, [&] { norm_backward_cpu(p); }, [&](cudaStream_t s) { return norm_backward_cuda(p, s); });
+  return {same_dtype ? dx : dx.to(x.scalar_type()), dgamma.to(gamma.scalar_type()),
+          rms_norm ? at::empty({0}, gamma.options()) : dbeta.to(gamma.scalar_type())};
 }
 
 TORCH_LIBRARY_FRAGMENT(tpfp8, m) {

@@ -143,6 +143,62 @@ def test_backward_matches_autograd(device, norm):
         torch.testing.assert_close(dbeta.double().cpu(), br.grad, rtol=1e-4, atol=1e-4)
 
 
+def backward_inputs(shape, dtype, norm, device, seed=4):
+    x = sample(shape, dtype, seed=seed)
+    rms = norm == "rmsnorm"
+    r = run(x, norm, False, rowwise=False, columnwise=False)
+    dy = torch.randn(shape, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    gamma, _ = weights(shape[1], seed)
+    mean = None if r.mean is None else r.mean.to(device)
+    return dy.to(device), x.to(device), mean, r.rstd.to(device), gamma.to(device), rms
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", NORMS)
+def test_backward_repeats_bit_for_bit(device, dtype, norm):
+    # 2100 rows: 132 bands of 16 rows, the last short, summed in all 8 groups.
+    args = backward_inputs((2100, 256), dtype, norm, device)
+    first = ops.norm_backward(*args)
+    for _ in range(2):
+        again = ops.norm_backward(*args)
+        for a, b in zip(first, again):
+            assert (a is None and b is None) or torch.equal(as_bytes(a), as_bytes(b))
+    assert first[0].dtype == dtype and first[1].dtype == torch.float32
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_backward_of_no_rows(device, norm):
+    dy, x, mean, rstd, gamma, rms = backward_inputs((0, 64), torch.bfloat16, norm, device)
+    dx, dgamma, dbeta = ops.norm_backward(dy, x, mean, rstd, gamma.bfloat16(), rms_norm=rms)
+    assert dx.shape == (0, 64) and dx.dtype == torch.bfloat16
+    assert dgamma.dtype == torch.bfloat16 and torch.equal(as_bytes(dgamma), as_bytes(
+        torch.zeros(64, dtype=torch.bfloat16)))
+    assert dbeta is None if rms else torch.equal(as_bytes(dbeta), as_bytes(dgamma))
+
+
+def test_backward_of_a_dy_in_another_dtype_reads_both_in_fp32(device):
+    dy, x, mean, rstd, gamma, _ = backward_inputs((24, 64), torch.bfloat16, "layernorm", device)
+    mixed = ops.norm_backward(dy.float(), x, mean, rstd, gamma)
+    fp32 = ops.norm_backward(dy.float(), x.float(), mean, rstd, gamma)
+    assert mixed[0].dtype == torch.bfloat16
+    assert torch.equal(mixed[0], fp32[0].bfloat16())
+    assert torch.equal(mixed[1], fp32[1]) and torch.equal(mixed[2], fp32[2])
+
+
+@requires_gpu
+@pytest.mark.parametrize("shape", [(1, 16), (17, 1040), (2100, 256), (300, 4096), (33, 8192),
+                                   (20, 16384), (0, 64)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", NORMS)
+def test_backward_gpu_bytes_equal_cpu(shape, dtype, norm):
+    cpu_args = backward_inputs(shape, dtype, norm, "cpu")
+    cpu = ops.norm_backward(*cpu_args)
+    gpu_args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in cpu_args]
+    gpu = ops.norm_backward(*gpu_args)
+    for name, a, b in zip(("dx", "dgamma", "dbeta"), cpu, gpu):
+        assert (a is None and b is None) or torch.equal(as_bytes(a), as_bytes(b)), name
+
+
 def test_bad_inputs_raise_clear_errors_and_change_nothing():
     x = sample((4, 32), torch.float32)
     gamma, beta = weights(32, 0)
@@ -168,3 +224,5 @@ def test_bad_inputs_raise_clear_errors_and_change_nothing():
     assert amax.item() == 5.0 and (rowwise == 7).all()
     with pytest.raises(ValueError, match="needs the mean"):
         ops.norm_backward(x, x, None, torch.ones(4), gamma, rms_norm=False)
+    with pytest.raises(ValueError, match="norm_backward needs hidden"):
+        ops.norm_backward(x[:, :24], x[:, :24], None, torch.ones(4), gamma[:24], rms_norm=True)

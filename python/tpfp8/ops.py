@@ -402,6 +402,8 @@ def norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: Optional[torch.Tensor
                   rstd: torch.Tensor, gamma: torch.Tensor, rms_norm: bool = False):
     """Backward of :func:`norm_cast`'s norm from its saved ``mean`` (LayerNorm; None for
     RMSNorm) and ``rstd``: ``(dx [M, H] in x's dtype, dgamma [H], dbeta [H] or None for
-    RMSNorm)`` in gamma's dtype, computed in fp32 (ATen ops for now, no fused kernel)."""
+    RMSNorm)`` in gamma's dtype, computed in fp32 by one kernel pass over x and dy; dgamma and
+    dbeta are summed in a fixed order, so the result is the same bytes every run and on CPU and
+    GPU."""
     dx, dgamma, dbeta = _ops.norm_backward(dy, x, mean, rstd, gamma, bool(rms_norm))
     return dx, dgamma, None if rms_norm else dbeta
