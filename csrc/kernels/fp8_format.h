@@ -90,6 +90,16 @@ TPFP8_HD float div_rn(float a, float b) {
   return a / b;
 #endif
 }
+// a * b + c rounded once (IEEE fusedMultiplyAdd): correctly rounded on both sides, so they
+// agree -- unlike a contraction the compiler may or may not make.
+TPFP8_HD float fma_rn(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
 TPFP8_HD float sqrt_rn(float a) {
 #if defined(__CUDA_ARCH__)
   return __fsqrt_rn(a);
