@@ -64,6 +64,14 @@ def compiled_twin(eager, **options):
     return model, torch.compile(model, fullgraph=True, **{"backend": "aot_eager", **options})
 
 
+def assert_one_graph(eager, x, recipe, first):
+    """torch._dynamo.explain of a copy of `eager` (fullgraph's view): one graph, no break."""
+    with tpfp8.fp8_autocast(enabled=recipe is not None, recipe=recipe):
+        explained = torch._dynamo.explain(with_main_grad(copy.deepcopy(eager)))(x, first)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, \
+        explained.break_reasons
+
+
 def step(model, x, recipe, first=None):
     """One training step; returns what it computed and the model's state after it."""
     x = x.clone().requires_grad_(True)
@@ -91,11 +99,7 @@ def test_compiled_equals_eager_with_no_graph_break(device, name, debug_rules):
     eager = make(options, device)
     _, compiled = compiled_twin(eager)
     x = torch.randn(16, 32, device=device)
-    with tpfp8.fp8_autocast(enabled=recipe is not None, recipe=recipe):
-        explained = torch._dynamo.explain(with_main_grad(copy.deepcopy(eager)))(
-            x, firsts and firsts[0])
-    assert explained.graph_break_count == 0 and explained.graph_count == 1, \
-        explained.break_reasons
+    assert_one_graph(eager, x, recipe, firsts and firsts[0])
     for i in range(3):
         first = firsts and firsts[i]
         before = len(tpfp8.debug.records())

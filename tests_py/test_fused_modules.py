@@ -14,6 +14,7 @@ from tpfp8 import ops
 
 import fp8_oracle
 from conftest import state_of
+from test_compile import assert_one_graph, compiled_twin, with_main_grad
 
 DELAYED, CURRENT = tpfp8.DelayedScaling(), tpfp8.CurrentScaling()
 RECIPES = {"high precision": None, "delayed": DELAYED, "current": CURRENT}
@@ -285,13 +286,6 @@ class FusedBlock(nn.Module):
         return self.mlp(self.attn_in(x, is_first_microbatch), is_first_microbatch)
 
 
-def with_main_grad(block):
-    for layer in block.modules():
-        if isinstance(layer, tpfp8.Linear) and layer.fuse_wgrad_accumulation:
-            layer.weight.main_grad = torch.zeros_like(layer.weight, dtype=torch.float32)
-    return block
-
-
 COMPILE_CONFIGS = {
     "high precision": (None, {}, None),
     "delayed": (DELAYED, {}, None),
@@ -307,15 +301,9 @@ def test_compiled_fused_modules_equal_eager_with_no_graph_break(device, name):
     recipe, options, firsts = COMPILE_CONFIGS[name]
     torch.manual_seed(0)
     eager = with_main_grad(FusedBlock(device, **options))
-    torch._dynamo.reset()
-    model = with_main_grad(copy.deepcopy(eager))
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    _, compiled = compiled_twin(eager)
     x = torch.randn(16, 32, device=device)
-    with tpfp8.fp8_autocast(enabled=recipe is not None, recipe=recipe):
-        explained = torch._dynamo.explain(with_main_grad(copy.deepcopy(eager)))(
-            x, firsts and firsts[0])
-    assert explained.graph_break_count == 0 and explained.graph_count == 1, \
-        explained.break_reasons
+    assert_one_graph(eager, x, recipe, firsts and firsts[0])
 
     def step(m, t, first):
         out = train_step(lambda u: m(u, first), t, recipe, params=m.parameters())
