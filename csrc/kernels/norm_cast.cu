@@ -1,15 +1,21 @@
 // Fused LayerNorm / RMSNorm -> FP8 cast (norm_cast.h).
 //
 // A "team" of kNormLanes threads normalizes one row at a time, holding it in registers as
-// 8-element vector loads (the reduction order of norm_cast.h follows from that layout); a
-// 16-bit input's block has two teams. While a team reduces and stores one row, its next
-// row's loads are already in flight. A block walks groups of 16 or 32 rows:
+// 8-element chunks (the reduction order of norm_cast.h follows from that layout). A block has
+// 1, 2 or 4 teams, whichever keeps the most warps resident, and walks groups of 8, 16 or 32
+// rows:
 //   1. each team normalizes its rows of the group and stores the high-precision row and the
 //      row-wise FP8 codes straight from registers (a warp: 512 / 256 contiguous bytes);
 //   2. with column-wise output, the FP8 codes also go to a [group][hidden] shared tile, and
-//      after a barrier the block stores it transposed, 16 rows x 4 columns per thread (4x4
-//      byte transposes, 16-byte stores), as cast_transpose.cu does for its tiles.
-// Row-major tiles need no swizzle: phase 1 writes and phase 2 reads consecutive words.
+//      after a barrier the block stores it transposed, 16 (8-row groups: 8) rows x 4 columns
+//      per thread (4x4 byte transposes, 16-byte stores), as cast_transpose.cu does for its tiles.
+// Row-major tiles need no swizzle: phase 1 writes consecutive words and phase 2 reads them
+// (two-way conflicts for 32-row groups, whose two 16-row halves go to adjacent threads).
+//
+// Latency without registers: each thread copies its chunks of the team's next row into shared
+// memory (cp.async) while the team reduces and stores the current one, and one thread per team
+// asks L2 for the rows after it (bulk prefetch, about 64 KB per SM ahead). A row in flight in
+// registers would cost 16 of the 64 registers that let 4 teams share an SM.
 //
 // Traffic per element, bf16 input, FP8 row + column output (B = bytes):
 //   delayed scaling, fused:   read x 2 + write FP8 2                  = 4 B (+2 with out)
@@ -22,6 +28,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
+#include <type_traits>
 
 #include "cast_device.cuh"
 #include "norm_cast.h"
@@ -30,30 +38,79 @@ namespace tpfp8 {
 namespace {
 
 constexpr int kWarpsPerTeam = kNormLanes / 32;
-constexpr int kTileBudget = 200 << 10;  // shared bytes for the FP8 tile (227 KB per block max)
+constexpr int kAheadBytes = 64 << 10;  // input an SM keeps asked of L2 ahead of its teams
 
-template <typename T>
-constexpr int teams_for() {
-  return sizeof(T) == 4 ? 1 : 2;  // fp32 rows need twice the registers
-}
+// Registers: a row of kChunks 8-element chunks (4; 8 for rows over 8192) takes kRowRegs. The
+// thread bound caps the rest: 64 registers for 16-register rows (4 teams fit an SM), 80 for
+// 32 (3 one-team blocks), 128 for 64; tighter caps spill.
+template <typename T, int kChunks>
+struct Plan {
+  static constexpr int kRowRegs = kChunks * 8 * static_cast<int>(sizeof(T)) / 4;
+  static constexpr int kMaxThreads = kRowRegs <= 16 ? 1024 : kRowRegs <= 32 ? 768 : 512;
+  static constexpr int kMaxTeams = kRowRegs <= 16 ? 4 : 2;  // a power of two, as groups are
+};
 
-// A lane's chunks of one row; kChunks (4 or 8, of kNormMaxChunks) bounds hidden at
-// kNormLanes * 8 * kChunks, so rows of up to 8192 take half the registers.
+// A lane's chunks of one row: chunk k's 8 elements in kWords 32-bit words (16-bit elements two
+// a word, the first in the low half), as in memory.
 template <typename T, int kChunks>
 struct Row {
-  device::Pack8<T> chunk[kChunks];
+  static constexpr int kWords = 2 * static_cast<int>(sizeof(T));
+  static constexpr int kVecs = kWords / 4;  // 16-byte pieces of a chunk
+  uint32_t w[kChunks][kWords];
 };
+
+// Element j of the 8 held in words w, as fp32: load_float of it.
+template <typename T>
+__device__ __forceinline__ float element(const uint32_t* w, int j) {
+  if constexpr (sizeof(T) == 4) {
+    return bits_float(w[j]);
+  } else if constexpr (std::is_same_v<T, bf16_t>) {
+    return bits_float(j % 2 == 0 ? w[j / 2] << 16 : w[j / 2] & 0xFFFF0000u);
+  } else {
+    return device::load_float(fp16_t{static_cast<uint16_t>(w[j / 2] >> 16 * (j % 2))});
+  }
+}
 
 struct Args {
   NormCastParams p;
-  int group_rows;       // rows per group: 16 or 32
-  bool tile;            // column-wise output goes through the shared tile
-  bool columnwise_vec;  // 16-byte column-wise stores (rows % 16 == 0, aligned)
+  int group_rows;       // rows per group: 8, 16 or 32
+  int teams;            // teams per block: 1, 2 or 4
+  int steps;            // group_rows / teams: rows a team takes per group
+  int ahead;            // rows of its own a team keeps asked of L2 past the next one
+  int tile_bytes;       // shared FP8 tile (0: none), then a row-sized stage per team
+  bool columnwise_vec;  // 16-byte (8-row groups: 8-byte) column-wise stores
   bool amax_only;
   bool from_end;
 };
 
-// Barrier of one team (ids 1, 2; 0 is __syncthreads).
+// A place in the rows a team normalizes, in order: its block's groups blockIdx.x, + gridDim.x,
+// ... (counted from the last one when from_end), in each the rows team, team + teams, ... of the
+// group. Stepped rather than computed from a count: no division or shift per row.
+struct Cursor {
+  int64_t g;  // group, in walking order
+  int step;   // the team's row of it
+  __device__ void advance(const Args& a) {
+    if (++step == a.steps) step = 0, g += gridDim.x;
+  }
+};
+
+struct TeamRows {
+  const Args& a;
+  int64_t groups;
+  int team;
+  __device__ int64_t group_start(int64_t g) const {
+    return (a.from_end ? groups - 1 - g : g) * a.group_rows;
+  }
+  __device__ int tile_row(const Cursor& c) const { return team + c.step * a.teams; }
+  // The row at c, or -1 past the end of the tensor.
+  __device__ int64_t row(const Cursor& c) const {
+    if (c.g >= groups) return -1;
+    const int64_t r = group_start(c.g) + tile_row(c);
+    return r < a.p.rows ? r : -1;
+  }
+};
+
+// Barrier of one team (ids 1..4; 0 is __syncthreads).
 __device__ __forceinline__ void team_sync(int team) {
   asm volatile("bar.sync %0, %1;" ::"r"(team + 1), "r"(kNormLanes) : "memory");
 }
@@ -78,28 +135,73 @@ __device__ __forceinline__ float team_sum(float s, float (*buf)[kWarpsPerTeam], 
   return total;
 }
 
+// Asks L2 for a row before the team copies it (sm_90 bulk prefetch: no registers, nothing to
+// wait for). Rows are whole multiples of 16 bytes at 16-byte aligned addresses.
+__device__ __forceinline__ void prefetch_l2(const void* src, int64_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(__cvta_generic_to_global(src)),
+               "r"(static_cast<uint32_t>(bytes)));
+#endif
+}
+
+// The lane's `chunks` chunks of a row, global -> the team's stage (the row's layout),
+// asynchronously: each thread later reads back only what it copied, after wait_copies, so no
+// barrier is needed. Addresses are a base and constant offsets, for registers' sake.
 template <typename T, int kChunks>
-__device__ __forceinline__ void load_row(const T* __restrict__ in, int64_t r, int64_t hidden,
-                                         Row<T, kChunks>& row) {
+__device__ __forceinline__ void copy_row_async(const T* row_src, int chunks, uint4* stage) {
+  constexpr int kVecs = Row<T, kChunks>::kVecs, kStride = kNormLanes * kVecs;
   const int lane = threadIdx.x % kNormLanes;
-  const auto* packs = reinterpret_cast<const device::Pack8<T>*>(in + r * hidden);
+  const auto* src = reinterpret_cast<const uint4*>(row_src) + lane * kVecs;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const auto dst = static_cast<uint32_t>(__cvta_generic_to_shared(stage + lane * kVecs));
+#endif
 #pragma unroll
   for (int k = 0; k < kChunks; ++k) {
-    const int c = lane + k * kNormLanes;
-    if (c * 8 < hidden) row.chunk[k] = packs[c];
+    if (k >= chunks) continue;
+#pragma unroll
+    for (int q = 0; q < kVecs; ++q) {
+      const int at = k * kStride + q;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + at * 16), "l"(src + at)
+                   : "memory");
+#else
+      stage[lane * kVecs + at] = src[at];
+#endif
+    }
+  }
+}
+// Waits for the thread's copies (one row at most is in flight).
+__device__ __forceinline__ void wait_copies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
+template <typename T, int kChunks>
+__device__ __forceinline__ void read_row(const uint4* stage, int chunks, Row<T, kChunks>& row) {
+  constexpr int kVecs = Row<T, kChunks>::kVecs, kStride = kNormLanes * kVecs;
+  const uint4* src = stage + threadIdx.x % kNormLanes * kVecs;
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    if (k >= chunks) continue;
+#pragma unroll
+    for (int q = 0; q < kVecs; ++q) {
+      const uint4 v = src[k * kStride + q];
+      row.w[k][4 * q] = v.x, row.w[k][4 * q + 1] = v.y;
+      row.w[k][4 * q + 2] = v.z, row.w[k][4 * q + 3] = v.w;
+    }
   }
 }
 
 // Sums f(x) over the lane's elements in order (norm_cast.h: chunks ascending, then within).
 template <typename T, int kChunks, typename F>
-__device__ __forceinline__ float lane_sum(const Row<T, kChunks>& row, int64_t hidden, F&& f) {
-  const int lane = threadIdx.x % kNormLanes;
+__device__ __forceinline__ float lane_sum(const Row<T, kChunks>& row, int chunks, F&& f) {
   float s = 0.0f;
 #pragma unroll
   for (int k = 0; k < kChunks; ++k) {
-    if ((lane + k * kNormLanes) * 8 < hidden) {
+    if (k < chunks) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) s = add_rn(s, f(device::load_float(row.chunk[k].v[j])));
+      for (int j = 0; j < 8; ++j) s = add_rn(s, f(element<T>(row.w[k], j)));
     }
   }
   return s;
@@ -113,54 +215,114 @@ __device__ __forceinline__ void load8(const float* src, float (&dst)[8]) {
   dst[4] = hi.x, dst[5] = hi.y, dst[6] = hi.z, dst[7] = hi.w;
 }
 
-// Normalizes row r (held in `row`) and writes its outputs; `tile_row` is its row of the shared
-// FP8 tile, or null.
-template <Fp8Format F, typename T, int kChunks>
-__device__ __forceinline__ void norm_row(const Row<T, kChunks>& row, int64_t r, const Args& a,
-                                         float scale, float (*red)[kWarpsPerTeam], int& parity,
-                                         int team, uint32_t& amax, uint8_t* tile_row) {
+// y = from_float<T>(f) elementwise, in Row's word layout; folds max |y| into `amax`.
+// 16-bit T: the hardware's round-to-nearest-even pair conversion rounds every non-NaN value as
+// to_bf16 / to_fp16 do (overflow to inf, subnormals kept) in a fraction of the instructions; a
+// chunk that made a NaN, rare, is redone by from_float for the canonical NaN. The amax is kept
+// as |y|'s own bits, two 16-bit magnitudes a max: T's rounding leaves one NaN, above every other
+// value, so these bits order values as abs_bits(load_float(y)) does (amax_bits converts).
+template <typename T>
+__device__ __forceinline__ void round_chunk(const float (&f)[8], uint32_t (&y)[2 * sizeof(T)],
+                                            uint32_t& amax) {
+  if constexpr (sizeof(T) == 4) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      y[j] = float_bits(from_float<float>(f[j]));
+      amax = max(amax, y[j] & 0x7FFFFFFFu);  // from_float made any NaN the canonical one
+    }
+  } else {
+    constexpr bool kBf16 = std::is_same_v<T, bf16_t>;
+    constexpr uint32_t kInf2 = kBf16 ? 0x7F807F80u : 0x7C007C00u;
+    auto software = [&] {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t lo = from_float<T>(f[2 * i]).bits, hi = from_float<T>(f[2 * i + 1]).bits;
+        y[i] = lo | hi << 16;
+      }
+    };
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (kBf16) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(y[i]) : "f"(f[2 * i + 1]), "f"(f[2 * i]));
+      } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(y[i]) : "f"(f[2 * i + 1]), "f"(f[2 * i]));
+      }
+    }
+#else
+    software();
+#endif
+    const uint32_t m = __vmaxu2(__vmaxu2(y[0] & 0x7FFF7FFFu, y[1] & 0x7FFF7FFFu),
+                                __vmaxu2(y[2] & 0x7FFF7FFFu, y[3] & 0x7FFF7FFFu));
+    amax = __vmaxu2(amax, m);
+    if (__vmaxu2(m, kInf2) != kInf2) software();  // a magnitude above inf: a NaN
+  }
+}
+// round_chunk's amax accumulator as abs_bits of the largest |y|.
+template <typename T>
+__device__ __forceinline__ uint32_t amax_bits(uint32_t acc) {
+  if constexpr (sizeof(T) == 4) {
+    return acc;
+  } else {
+    const T largest{static_cast<uint16_t>(max(acc & 0xFFFFu, acc >> 16))};
+    return abs_bits(device::load_float(largest));
+  }
+}
+
+// Normalizes row r (held in `row`, `chunks` chunks of it the lane's) and writes its outputs;
+// `tile_row` is its row of the shared FP8 tile, or null. `row_read` runs once the first
+// team-wide sum is done: every lane has used its copy of the row by then, so its stage may be
+// refilled.
+template <Fp8Format F, NormType N, typename T, int kChunks, typename Next>
+__device__ __forceinline__ void norm_row(const Row<T, kChunks>& row, int chunks, int64_t r,
+                                         const Args& a, float scale, float (*red)[kWarpsPerTeam],
+                                         int& parity, int team, uint32_t& amax, uint8_t* tile_row,
+                                         Next&& row_read) {
+  constexpr int kStride = kNormLanes * 8;  // elements between a lane's chunks
   const NormCastParams& p = a.p;
   const int64_t h = p.hidden;
   const int lane = threadIdx.x % kNormLanes;
   float mean = 0.0f;
-  if (p.norm == NormType::kLayerNorm) {
-    const float sum = lane_sum(row, h, [](float x) { return x; });
+  if constexpr (N == NormType::kLayerNorm) {
+    const float sum = lane_sum(row, chunks, [](float x) { return x; });
     mean = div_rn(team_sum(sum, red, parity, team), static_cast<float>(h));
+    row_read();
   }
-  const float sum_sq = lane_sum(row, h, [&](float x) { return norm_square(x, mean, p.norm); });
+  const float sum_sq = lane_sum(row, chunks, [&](float x) { return norm_square(x, mean, N); });
   const float rstd = norm_rstd(team_sum(sum_sq, red, parity, team), h, p.eps);
+  if constexpr (N == NormType::kRMSNorm) row_read();
+  // Chunk k of the lane is kStride elements (bytes, for FP8) after its chunk 0 at `at`.
+  const int64_t at = r * h + lane * 8;
 #pragma unroll
   for (int k = 0; k < kChunks; ++k) {
-    const int c = lane + k * kNormLanes;
-    if (c * 8 >= h) continue;
+    if (k >= chunks) continue;
+    const int64_t ck = at + k * kStride;
+    const int c8 = lane * 8 + k * kStride;  // the chunk's first column
     float gs[8], bs[8] = {};
-    load8(p.gamma + c * 8, gs);
-    if (p.beta) load8(p.beta + c * 8, bs);
-    device::Pack8<T> y;
-    float v[8];
+    load8(p.gamma + c8, gs);
+    if (N == NormType::kLayerNorm && p.beta) load8(p.beta + c8, bs);
+    float f[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const float x = device::load_float(row.chunk[k].v[j]);
-      y.v[j] = from_float<T>(norm_apply(x, mean, rstd, gs[j], bs[j], p.norm));
-      const float yf = device::load_float(y.v[j]);
-      amax = max(amax, abs_bits(yf));
-      v[j] = mul_rn(yf, scale);
+      f[j] = norm_apply(element<T>(row.w[k], j), mean, rstd, gs[j], bs[j], N);
     }
+    uint32_t y[Row<T, kChunks>::kWords];
+    round_chunk<T>(f, y, amax);
     if (a.amax_only) continue;
-    const int64_t at = r * h + int64_t{c} * 8;
-    if (p.out) *reinterpret_cast<device::Pack8<T>*>(static_cast<T*>(p.out) + at) = y;
-    if (!p.rowwise && !p.columnwise) continue;
-    const uint2 bytes = make_uint2(device::encode4<F>(v), device::encode4<F>(v + 4));
-    if (p.rowwise) *reinterpret_cast<uint2*>(p.rowwise + at) = bytes;
-    if (tile_row) {
-      *reinterpret_cast<uint2*>(tile_row + c * 8) = bytes;
-    } else if (p.columnwise) {  // hidden too large for a tile: byte stores, slow but right
+    if (p.out) {
+      auto* dst = reinterpret_cast<uint4*>(static_cast<T*>(p.out) + ck);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const uint32_t word = j < 4 ? bytes.x : bytes.y;
-        p.columnwise[(int64_t{c} * 8 + j) * p.rows + r] = static_cast<uint8_t>(word >> 8 * (j % 4));
+      for (int q = 0; q < Row<T, kChunks>::kVecs; ++q) {
+        dst[q] = make_uint4(y[4 * q], y[4 * q + 1], y[4 * q + 2], y[4 * q + 3]);
       }
     }
+    if (!p.rowwise && !tile_row) continue;
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = mul_rn(element<T>(y, j), scale);
+    const uint2 bytes = make_uint2(device::encode4<F>(v), device::encode4<F>(v + 4));
+    if (p.rowwise) *reinterpret_cast<uint2*>(p.rowwise + ck) = bytes;
+    if (tile_row) *reinterpret_cast<uint2*>(tile_row + c8) = bytes;
   }
   if (lane == 0 && !a.amax_only) {
     if (p.mean) p.mean[r] = from_float<float>(mean);
@@ -168,112 +330,200 @@ __device__ __forceinline__ void norm_row(const Row<T, kChunks>& row, int64_t r, 
   }
 }
 
-// Stores the group's FP8 tile ([group_rows][hidden], rows from r0) column-wise.
+// Stores the group's FP8 tile ([group_rows][hidden], rows from r0) column-wise, kBlock rows
+// (16, or 8 for 8-row groups) x 4 columns per thread item. A 32-row group's two 16-row blocks
+// of a column go to adjacent threads, so a warp's stores fill whole 32-byte sectors.
+template <int kBlock>
 __device__ void store_columnwise(const uint8_t* tile, int64_t r0, const Args& a) {
+  constexpr int kQuads = kBlock / 4;
   const NormCastParams& p = a.p;
   const int words = static_cast<int>(p.hidden / 4);
   const auto* tile32 = reinterpret_cast<const uint32_t*>(tile);
-  const int items = words * (a.group_rows / 16);
+  const int log_blocks = a.group_rows > kBlock ? 1 : 0;
+  const int items = words << log_blocks;
   for (int item = threadIdx.x; item < items; item += blockDim.x) {
-    const int w = item % words, b = item / words;
-    const int64_t rb = r0 + 16 * b;
+    const int b = item & ((1 << log_blocks) - 1), w = item >> log_blocks;
+    const int64_t rb = r0 + kBlock * b;
     if (rb >= p.rows) continue;
-    uint32_t cols[4][4];  // [4-row block j][column c]
+    uint32_t cols[kQuads][4];  // [4-row block j][column c]
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < kQuads; ++j) {
       uint32_t rows4[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) rows4[i] = tile32[(16 * b + 4 * j + i) * words + w];
+      for (int i = 0; i < 4; ++i) rows4[i] = tile32[(kBlock * b + 4 * j + i) * words + w];
       device::transpose4x4(rows4, cols[j]);
     }
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       uint8_t* dst = p.columnwise + (int64_t{w} * 4 + c) * p.rows + rb;
       if (a.columnwise_vec) {
-        *reinterpret_cast<uint4*>(dst) = make_uint4(cols[0][c], cols[1][c], cols[2][c], cols[3][c]);
+        if constexpr (kBlock == 16) {
+          *reinterpret_cast<uint4*>(dst) =
+              make_uint4(cols[0][c], cols[1][c], cols[2][c], cols[3][c]);
+        } else {
+          *reinterpret_cast<uint2*>(dst) = make_uint2(cols[0][c], cols[1][c]);
+        }
       } else {
-        const int n = static_cast<int>(std::min<int64_t>(16, p.rows - rb));
-        for (int i = 0; i < n; ++i) dst[i] = static_cast<uint8_t>(cols[i / 4][c] >> 8 * (i % 4));
+        const int64_t n = p.rows - rb;
+#pragma unroll
+        for (int i = 0; i < kBlock; ++i) {  // unrolled: cols stays in registers
+          if (i < n) dst[i] = static_cast<uint8_t>(cols[i / 4][c] >> 8 * (i % 4));
+        }
       }
     }
   }
 }
 
-template <Fp8Format F, typename T, int kChunks>
-__global__ void __launch_bounds__(kNormLanes* teams_for<T>()) norm_cast_kernel(const Args a) {
-  constexpr int kTeams = teams_for<T>();
+template <Fp8Format F, NormType N, typename T, int kChunks>
+__global__ void __launch_bounds__(Plan<T, kChunks>::kMaxThreads) norm_cast_kernel(const Args a) {
   extern __shared__ uint4 smem[];
-  __shared__ float red[kTeams][2][kWarpsPerTeam];
+  __shared__ float red[Plan<T, kChunks>::kMaxTeams][2][kWarpsPerTeam];
   const NormCastParams& p = a.p;
   const T* in = static_cast<const T*>(p.input);
   const int team = threadIdx.x / kNormLanes;
   uint8_t* const tile = reinterpret_cast<uint8_t*>(smem);
+  const int64_t row_bytes = p.hidden * static_cast<int64_t>(sizeof(T));
+  uint4* const stage = reinterpret_cast<uint4*>(tile + a.tile_bytes + team * row_bytes);
   const float scale = ScaleSource{p.scale, p.scale_amax, p.scale_epsilon}.resolve(F);
-
   const int64_t groups = (p.rows + a.group_rows - 1) / a.group_rows;
-  const int steps = a.group_rows / kTeams;  // rows a team takes per group
-  auto first_row = [&](int64_t g) { return (a.from_end ? groups - 1 - g : g) * a.group_rows; };
-  auto row_at = [&](int64_t g, int step) { return first_row(g) + team + int64_t{step} * kTeams; };
+  const TeamRows rows{a, groups, team};
+
+  // Row i + 1 is copied to the stage while row i is normalized; rows up to i + 1 + ahead are
+  // asked of L2. The lane's chunks of a row: c = lane, lane + kNormLanes, ... below hidden / 8.
+  const int lane = threadIdx.x % kNormLanes;
+  const int chunks = static_cast<int>((p.hidden / 8 - lane + kNormLanes - 1) / kNormLanes);
+  auto copy = [&](int64_t r) {
+    if (r >= 0) copy_row_async<T, kChunks>(in + r * p.hidden, chunks, stage);
+  };
+  // One thread per team asks L2 for rows. Registers limit the teams per SM, so its place lives
+  // in shared memory and the test rereads %tid (volatile: kept otherwise, it spilled).
+  auto lead = [] {
+    uint32_t tid;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+    return tid % kNormLanes == 0;
+  };
+  __shared__ Cursor asked[Plan<T, kChunks>::kMaxTeams];
+  Cursor at{blockIdx.x, 0};
+  auto ask_next = [&] {
+    Cursor c = asked[team];
+    c.advance(a);
+    asked[team] = c;
+    const int64_t r = rows.row(c);
+    if (r >= 0) prefetch_l2(in + r * p.hidden, row_bytes);
+  };
+  if (lead()) {
+    asked[team] = at;
+    for (int i = 0; i < a.ahead; ++i) ask_next();
+  }
+  int64_t r = rows.row(at);
+  copy(r);
+
   uint32_t amax = 0;
   int parity = 0;
-  Row<T, kChunks> cur, next;
-  if (blockIdx.x < groups && row_at(blockIdx.x, 0) < p.rows) {
-    load_row(in, row_at(blockIdx.x, 0), p.hidden, cur);
-  }
-  for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {
-    for (int step = 0; step < steps; ++step) {
-      const int64_t r = row_at(g, step);
-      const int64_t g_next = step + 1 < steps ? g : g + gridDim.x;
-      const int64_t r_next = row_at(g_next, (step + 1) % steps);
-      if (g_next < groups && r_next < p.rows) load_row(in, r_next, p.hidden, next);
-      if (r < p.rows) {
-        uint8_t* tile_row = a.tile ? tile + (team + step * kTeams) * p.hidden : nullptr;
-        norm_row<F>(cur, r, a, scale, red[team], parity, team, amax, tile_row);
-      }
-      cur = next;
+  while (at.g < groups) {
+    Cursor next = at;
+    next.advance(a);
+    const int64_t r_next = rows.row(next);  // `next` itself is not kept: registers are short
+    if (lead()) ask_next();
+    if (r >= 0) {
+      wait_copies();
+      Row<T, kChunks> row;
+      read_row(stage, chunks, row);
+      uint8_t* tile_row = a.tile_bytes ? tile + rows.tile_row(at) * p.hidden : nullptr;
+      norm_row<F, N>(row, chunks, r, a, scale, red[team], parity, team, amax, tile_row,
+                     [&] { copy(r_next); });
+    } else {
+      copy(r_next);
     }
-    if (a.tile) {
+    if (a.tile_bytes && at.step == a.steps - 1) {
       __syncthreads();  // the group's tile complete
-      store_columnwise(tile, first_row(g), a);
+      const int64_t r0 = rows.group_start(at.g);
+      a.group_rows == 8 ? store_columnwise<8>(tile, r0, a) : store_columnwise<16>(tile, r0, a);
       __syncthreads();  // read before the next group overwrites it
     }
+    at.advance(a);
+    r = r_next;
   }
-  if (p.amax) device::fold_block_amax(amax, p.amax);
+  if (p.amax) device::fold_block_amax(amax_bits<T>(amax), p.amax);
   if (p.scale_inv && !a.amax_only && blockIdx.x == 0 && threadIdx.x == 0) {
     *p.scale_inv = 1.0f / scale;
   }
 }
 
-// Blocks of the instance that fit the machine with `smem_bytes` of tile each. The shared-memory
-// attribute is per device: set once per instance and device.
-template <Fp8Format F, typename T, int kChunks>
-int resident_blocks(int smem_bytes) {
-  const auto kernel = norm_cast_kernel<F, T, kChunks>;
-  static bool configured[64] = {};  // a race only makes two threads set the same value
+// Teams per block and resident blocks per SM of an instance for a layout (tile bytes, stage
+// bytes per team): the team count keeping the most warps resident, ties to the smaller block
+// (fewer warps wait at its barriers). Asked of the runtime on the first launch with a layout on
+// a device, then cached.
+struct Residency {
+  int teams = 1;
+  int blocks_per_sm = 1;
+};
+
+template <Fp8Format F, NormType N, typename T, int kChunks>
+Residency residency(int tile_bytes, int stage_bytes) {
+  const auto kernel = norm_cast_kernel<F, N, T, kChunks>;
+  // Per device and with / without a tile (current scaling alternates the two), the last layout
+  // asked and its answer in one word (layout << 16 | teams << 8 | blocks), so racing launches
+  // see one whole answer or none.
+  static std::atomic<uint64_t> cache[64][2] = {};
+  const uint64_t layout = (static_cast<uint64_t>(tile_bytes) << 24 | stage_bytes) + 1;
   int dev = 0;
   cudaGetDevice(&dev);
-  if (dev < 0 || dev >= 64 || !configured[dev]) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTileBudget);
-    if (dev >= 0 && dev < 64) configured[dev] = true;
+  std::atomic<uint64_t>* slot = dev >= 0 && dev < 64 ? &cache[dev][tile_bytes > 0] : nullptr;
+  const uint64_t seen = slot ? slot->load(std::memory_order_relaxed) : 0;
+  if (seen >> 16 == layout) {
+    return {static_cast<int>(seen >> 8 & 0xFF), static_cast<int>(seen & 0xFF)};
   }
-  int n = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kNormLanes * teams_for<T>(),
-                                                smem_bytes);
-  return std::max(n, 1) * current_sm_count();
+  // All the dynamic shared memory a block may have, next to its static arrays.
+  int smem_max = 0;
+  cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  cudaFuncAttributes attr{};
+  cudaFuncGetAttributes(&attr, kernel);
+  smem_max -= static_cast<int>(attr.sharedSizeBytes);
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max);
+  Residency best{1, 0};
+  for (int teams = 1; teams <= Plan<T, kChunks>::kMaxTeams; teams *= 2) {
+    const int smem = tile_bytes + teams * stage_bytes;
+    int n = 0;
+    if (smem <= smem_max) {
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kNormLanes * teams, smem);
+    }
+    if (n * teams > best.blocks_per_sm * best.teams) best = {teams, n};
+  }
+  best.blocks_per_sm = std::clamp(best.blocks_per_sm, 1, 255);
+  if (slot) {
+    slot->store(layout << 16 | best.teams << 8 | best.blocks_per_sm, std::memory_order_relaxed);
+  }
+  return best;
 }
 
-template <Fp8Format F, typename T, int kChunks>
+template <Fp8Format F, NormType N, typename T, int kChunks>
 void launch(Args a, cudaStream_t stream) {
   const NormCastParams& p = a.p;
   const bool columnwise = p.columnwise && !a.amax_only;
-  a.group_rows = columnwise && 32 * p.hidden <= (96 << 10) ? 32 : 16;
-  a.tile = columnwise && a.group_rows * p.hidden <= kTileBudget;
-  a.columnwise_vec = p.rows % 16 == 0 && device::aligned(p.columnwise, 16);
-  const int smem = a.tile ? static_cast<int>(a.group_rows * p.hidden) : 0;
+  // 32-row groups make whole 32-byte column-wise sectors; 8-row groups keep the widest rows'
+  // tile at 128 KB.
+  a.group_rows = !columnwise ? 16 : p.hidden <= 3072 ? 32 : p.hidden <= 8192 ? 16 : 8;
+  const int block_rows = std::min(a.group_rows, 16);
+  a.columnwise_vec = p.rows % block_rows == 0 && device::aligned(p.columnwise, block_rows);
+  a.tile_bytes = columnwise ? static_cast<int>(a.group_rows * p.hidden) : 0;
+  const int stage_bytes = static_cast<int>(p.hidden * sizeof(T));
+  const Residency res = residency<F, N, T, kChunks>(a.tile_bytes, stage_bytes);
+  a.teams = res.teams;
+  a.steps = a.group_rows / a.teams;
+  const int64_t teams_per_sm = int64_t{res.teams} * res.blocks_per_sm;
+  a.ahead = static_cast<int>(std::clamp<int64_t>(kAheadBytes / (teams_per_sm * stage_bytes), 1, 8));
   const int64_t groups = (p.rows + a.group_rows - 1) / a.group_rows;
-  const int grid = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(groups, resident_blocks<F, T, kChunks>(smem))));
-  norm_cast_kernel<F, T, kChunks><<<grid, kNormLanes * teams_for<T>(), smem, stream>>>(a);
+  const int64_t resident = int64_t{res.blocks_per_sm} * current_sm_count();
+  const int grid = static_cast<int>(std::max<int64_t>(1, std::min(groups, resident)));
+  const int smem = a.tile_bytes + a.teams * stage_bytes;
+  norm_cast_kernel<F, N, T, kChunks><<<grid, kNormLanes * a.teams, smem, stream>>>(a);
+}
+
+template <Fp8Format F, NormType N, typename T>
+void launch_rows(const Args& a, cudaStream_t stream) {
+  a.p.hidden <= kNormLanes * 8 * 4 ? launch<F, N, T, 4>(a, stream)
+                                   : launch<F, N, T, kNormMaxChunks>(a, stream);
 }
 
 cudaError_t run(Args a, cudaStream_t stream) {
@@ -287,13 +537,13 @@ cudaError_t run(Args a, cudaStream_t stream) {
   if (!device::aligned(p.rowwise, 8)) return cudaErrorMisalignedAddress;
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-    const bool short_rows = p.hidden <= kNormLanes * 8 * 4;
+    constexpr auto kLN = NormType::kLayerNorm, kRMS = NormType::kRMSNorm;
     if (p.format == Fp8Format::kE4M3) {
-      short_rows ? launch<Fp8Format::kE4M3, T, 4>(a, stream)
-                 : launch<Fp8Format::kE4M3, T, kNormMaxChunks>(a, stream);
+      p.norm == kLN ? launch_rows<Fp8Format::kE4M3, kLN, T>(a, stream)
+                    : launch_rows<Fp8Format::kE4M3, kRMS, T>(a, stream);
     } else {
-      short_rows ? launch<Fp8Format::kE5M2, T, 4>(a, stream)
-                 : launch<Fp8Format::kE5M2, T, kNormMaxChunks>(a, stream);
+      p.norm == kLN ? launch_rows<Fp8Format::kE5M2, kLN, T>(a, stream)
+                    : launch_rows<Fp8Format::kE5M2, kRMS, T>(a, stream);
     }
   });
   return cudaGetLastError();
