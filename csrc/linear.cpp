@@ -322,10 +322,22 @@ Prepared prepare_prologue_input(const at::Tensor& x, int64_t k, const LinearConf
 // 5'. With a prologue: its backward from dgrad's output (and the gradient of its output where
 //     the module returned it); a norm's weight gradients are summed over the group when each
 //     rank normalized its own rows (column-parallel SP).
-void prologue_grads(Grads& out, const SavedForBackward& s, const LinearConfig& c, int64_t k) {
+//     With a handoff to give, an activation's backward writes dx in FP8 for the layer before.
+void prologue_grads(Grads& out, const SavedForBackward& s, const LinearConfig& c, int64_t k,
+                    const GradHandoff& handoff) {
   at::Tensor dy = out.dx;
   if (s.prologue_output_grad.defined()) dy = dy + as_matrix(s.prologue_output_grad, k);
   const at::Tensor x = as_matrix(s.prologue_input, s.prologue.input_cols(k));
+  if (handoff.gives()) {
+    TORCH_CHECK(c.fp8() && !c.debug.active && !s.prologue.norm(),
+                "internal error: an FP8 gradient handoff needs an activation, FP8, no debugging");
+    const auto q = make_quantizer(c, handoff.state, kGrad);
+    const at::Tensor dy_c = dy.contiguous();
+    out.dx_fp8 = q->quantize_fused(fused_activation_backward(dy_c, x, s.prologue), handoff.rowwise,
+                                   handoff.columnwise);
+    out.dx = at::Tensor();
+    return;
+  }
   PrologueGrads g = prologue_backward(dy.contiguous(), x, s.prologue, s.stats);
   if (s.prologue.norm() && gathers_input(c)) {
     all_reduce(g.dweight, *c.tp_group, c10d::ReduceOp::SUM);
@@ -400,9 +412,13 @@ ForwardResult linear_forward(const at::Tensor& x, const at::Tensor& weight, cons
 Grads linear_backward(const at::Tensor& dy_in, const SavedForBackward& s, const at::Tensor& weight,
                       const LinearConfig& c, const DelayedState& state, const OptTensor& main_grad,
                       bool main_grad_overwrite, bool need_dgrad, bool need_wgrad,
-                      std::optional<at::ScalarType> bias_dtype) {
+                      std::optional<at::ScalarType> bias_dtype, const GradHandoff& handoff) {
   const int64_t n = weight.size(0), k = weight.size(1);
-  const at::Tensor dy = as_matrix(dy_in, n);
+  // A handed-off dy is FP8 already: dy_in then only says where and in what dtype.
+  const at::Tensor dy = handoff.dy ? dy_in : as_matrix(dy_in, n);
+  TORCH_CHECK(!handoff.dy || (c.fp8() && !c.debug.active && !gathers_grad(c) && !bias_dtype),
+              "internal error: an FP8 gradient handoff needs FP8, no debugging, no gathered "
+              "gradient and no bias gradient");
   const auto xq = make_quantizer(c, state, kInput), wq = make_quantizer(c, state, kWeight),
              gq = make_quantizer(c, state, kGrad);
   const at::Tensor x_saved = s.x ? as_matrix(*s.x, k) : at::Tensor();
@@ -417,8 +433,12 @@ Grads linear_backward(const at::Tensor& dy_in, const SavedForBackward& s, const 
   // 2. The gradient: quantized, and gathered along rows under row-parallel SP; db's local sum
   //    from the same cast.
   at::Tensor db;
-  const Prepared g =
-      prepare_grad(dy, c, gq.get(), need_dgrad, need_wgrad, bias_dtype ? &db : nullptr);
+  const Prepared g = handoff.dy ? Prepared{at::Tensor(), *handoff.dy}
+                                : prepare_grad(dy, c, gq.get(), need_dgrad, need_wgrad,
+                                               bias_dtype ? &db : nullptr);
+  const int64_t rows = handoff.dy
+                           ? (g.q.rowwise.defined() ? g.q.rowwise.size(0) : g.q.columnwise.size(1))
+                           : dy.size(0);
   // 3. dgrad, then (column parallel) its reduction, in flight during wgrad.
   Grads out;
   WorkPtr dx_work;
@@ -443,7 +463,7 @@ Grads linear_backward(const at::Tensor& dy_in, const SavedForBackward& s, const 
         operands(Gemm::kWgrad, {&g, gq.get(), true}, {&in, xq.get(), true}, s.x_dtype);
     const bool accumulate = main_grad && !main_grad_overwrite;
     at::Tensor dw = main_grad ? *main_grad : at::empty({n, k}, weight.options());
-    if (dy.size(0) > 0) {
+    if (rows > 0) {
       run_gemm(dy_op, x_op, dw, std::nullopt, false, accumulate);
     } else if (!accumulate) {
       dw.zero_();  // no tokens: an empty sum (cuBLASLt has no GEMM with K = 0)
@@ -452,7 +472,7 @@ Grads linear_backward(const at::Tensor& dy_in, const SavedForBackward& s, const 
   }
   wait(dx_work);
   if (out.dx.defined() && s.prologue.any()) {
-    prologue_grads(out, s, c, k);
+    prologue_grads(out, s, c, k, handoff);
   } else if (out.dx.defined()) {
     out.dx = shaped(out.dx, s.x_shape);
   }
@@ -467,6 +487,10 @@ Grads linear_backward(const at::Tensor& dy_in, const SavedForBackward& s, const 
   for (at::Tensor* t : {&out.dx, &out.dw, &out.db, &out.dprologue_weight, &out.dprologue_bias}) {
     if (!t->defined()) *t = nothing(dy, dy.scalar_type());
   }
+  for (at::Tensor* t : {&out.dx_fp8.rowwise, &out.dx_fp8.columnwise}) {
+    if (!t->defined()) *t = nothing(dy, at::kByte);
+  }
+  if (!out.dx_fp8.scale_inv.defined()) out.dx_fp8.scale_inv = nothing(dy, at::kFloat);
   return out;
 }
 

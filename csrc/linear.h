@@ -138,12 +138,26 @@ struct Grads {
   // Empty placeholders where not asked for (dw: also when fused into main_grad; the
   // prologue's weight and bias gradients without a norm).
   at::Tensor dx, dw, db, dprologue_weight, dprologue_bias;
+  // dx in FP8 instead, where the caller asked for it (GradHandoff).
+  Fp8Tensor dx_fp8;
+};
+// The gradient handed between the two Linears of an MLP (fc1 -> activation -> fc2) in FP8:
+// fc2's backward casts the activation's input gradient, in the activation backward's own pass,
+// with fc1's gradient quantizer (`state`: fc1's scale and gradient amax history, under fc2's
+// recipe, which is fc1's), producing the usages fc1's GEMMs read; fc1's backward takes them as
+// its dy. fc1's bias gradient would need dy's column sums, which that pass does not make: the
+// caller hands off only when fc1 has no bias gradient to compute.
+struct GradHandoff {
+  DelayedState state;  // give: fc1's (scale, grad_amax_history)
+  bool rowwise = false, columnwise = false;
+  const Fp8Tensor* dy = nullptr;  // take: fc2's cast of this layer's dy
+  bool gives() const { return rowwise || columnwise; }
 };
 // main_grad, when given, receives wgrad (overwritten or accumulated); else dW is returned.
 Grads linear_backward(const at::Tensor& dy, const SavedForBackward& saved, const at::Tensor& weight,
                       const LinearConfig& c, const DelayedState& state, const OptTensor& main_grad,
                       bool main_grad_overwrite, bool need_dgrad, bool need_wgrad,
-                      std::optional<at::ScalarType> bias_dtype);
+                      std::optional<at::ScalarType> bias_dtype, const GradHandoff& handoff = {});
 
 // Sequence-parallel gather in FP8: quantize this rank's rows [m, K] with the whole tensor's
 // scale (Quantizer::quantize's split_over), then

@@ -1,9 +1,17 @@
-// The Linear as one op, torch.ops.tpfp8.linear, with its autograd registered here in C++: a
-// torch::autograd::Function over linear_forward / linear_backward, which it calls through the
-// dispatcher, so torch.compile traces those two (and their fake kernels) into the forward and
-// backward graphs. Eager, a call crosses from Python to C++ once and backward not at all.
+// The Linear as one op, torch.ops.tpfp8.linear, and LayerNormMLP's two Linears as one,
+// torch.ops.tpfp8.mlp, with their autograd registered here in C++: torch::autograd::Functions
+// over linear_forward / linear_backward, which they call through the dispatcher, so
+// torch.compile traces those two (and their fake kernels) into the forward and backward graphs.
+// Eager, a call crosses from Python to C++ once and backward not at all.
+//
+// The MLP is one op so that its backward can hand fc1 its gradient in FP8: fc2's backward casts
+// the activation's input gradient in the activation backward's own pass, with fc1's gradient
+// quantizer (GradHandoff, linear.h), instead of writing it in high precision for fc1 to read
+// and cast again. Two autograd nodes could only pass fc1 a high-precision tensor.
 #include <torch/autograd.h>
 #include <torch/library.h>
+
+#include <array>
 
 #include "linear.h"
 
@@ -19,13 +27,16 @@ using ForwardOp = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at:
     const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, int64_t, int64_t,
     int64_t, double, int64_t, bool, int64_t, bool, c10::string_view, at::IntArrayRef, bool, bool,
     const OptTensor&, const OptTensor&, int64_t, double, bool);
-using BackwardOp = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+using BackwardOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                   at::Tensor, at::Tensor, at::Tensor>;
+using BackwardOp = BackwardOutputs(
     const at::Tensor&, const OptTensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&,
     bool, int64_t, int64_t, int64_t, double, bool, int64_t, bool, c10::string_view, at::IntArrayRef,
     c10::SymIntArrayRef, at::ScalarType, std::optional<at::ScalarType>, bool, bool,
     const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
-    int64_t, const OptTensor&);
+    int64_t, const OptTensor&, const OptTensor&, const OptTensor&, bool, bool, const OptTensor&,
+    const OptTensor&, const OptTensor&);
 
 const c10::TypedOperatorHandle<ForwardOp>& forward_op() {
   static const auto op = c10::Dispatcher::singleton()
@@ -40,33 +51,89 @@ const c10::TypedOperatorHandle<BackwardOp>& backward_op() {
   return op;
 }
 
-// The op's plain values, as backward needs them again.
+// A layer's plain values, as backward needs them again.
 struct Config {
   int64_t scaling, fwd_format, grad_format, weight_cache, parallel_mode;
   double epsilon;
   bool save_original_input, sequence_parallel, main_grad_overwrite, saves_input;
   std::string group_name;
   std::vector<int64_t> debug;
+  bool need_dgrad, need_wgrad;
   int64_t prologue = 0;  // (a fused module's norm or activation, prologue.h)
   double prologue_eps = 0.0;
   bool keep_prologue_output = false;
 };
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-           at::Tensor>
-run_forward(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
-            const OptTensor& scale, const OptTensor& amax_history, const OptTensor& replay,
-            const OptTensor& cache_rowwise, const OptTensor& cache_columnwise,
-            const OptTensor& cache_scale_inv, const OptTensor& main_grad,
-            const OptTensor& prologue_weight, const OptTensor& prologue_bias, const Config& c,
-            bool need_dgrad, bool need_wgrad) {
+// A layer's differentiable tensors.
+struct Params {
+  at::Tensor weight;
+  OptTensor bias, prologue_weight, prologue_bias;
+};
+// A layer's FP8 state and caches (mutated in place, never differentiated) and its values.
+struct Layer {
+  OptTensor scale, amax_history, grad_amax_history, replay, cache_rowwise, cache_columnwise,
+      cache_scale_inv, main_grad;
+  Config c;
+};
+
+// One layer's arguments after its input, as `linear` takes them (`mlp` takes two such lists):
+// the schema text, with `prefix` on each name and `alias` the letters of its mutated tensors.
+constexpr size_t kLayerArgs = 29;
+std::string layer_schema(const std::string& p, const std::string& alias, bool defaults) {
+  const auto mut = [&](size_t i) { return "Tensor(" + alias.substr(i, 1) + "!)? " + p; };
+  const auto d = [defaults](const char* value) { return defaults ? std::string(value) : ""; };
+  return "Tensor " + p + "weight, Tensor? " + p + "bias, Tensor? " + p + "scale, " + mut(0) +
+         "amax_history, " + mut(1) + "grad_amax_history, Tensor? " + p + "replay, " + mut(2) +
+         "weight_cache_rowwise, " + mut(3) + "weight_cache_columnwise, " + mut(4) +
+         "weight_cache_scale_inv, " + mut(5) + "main_grad, int " + p + "scaling, int " + p +
+         "fwd_format, int " + p + "grad_format, float " + p + "epsilon, int " + p +
+         "weight_cache, bool " + p + "save_original_input, int " + p + "parallel_mode, bool " + p +
+         "sequence_parallel, str " + p + "group_name, int[] " + p + "debug, bool " + p +
+         "main_grad_overwrite, bool " + p + "saves_input, bool " + p + "need_dgrad, bool " + p +
+         "need_wgrad, Tensor? " + p + "prologue_weight" + d("=None") + ", Tensor? " + p +
+         "prologue_bias" + d("=None") + ", int " + p + "prologue" + d("=0") + ", float " + p +
+         "prologue_eps" + d("=0.0") + ", bool " + p + "keep_prologue_output" + d("=False");
+}
+
+OptTensor optional_tensor(const c10::IValue& v) { return v.toOptional<at::Tensor>(); }
+
+// The layer whose arguments start at stack[i] (layer_schema's order).
+std::pair<Params, Layer> parse_layer(const torch::jit::Stack& stack, size_t i) {
+  const auto t = [&](size_t j) { return optional_tensor(stack[i + j]); };
+  Params p{stack[i].toTensor(), t(1), t(24), t(25)};
+  Layer l{t(2), t(3), t(4), t(5), t(6), t(7), t(8), t(9), {}};
+  Config& c = l.c;
+  c.scaling = stack[i + 10].toInt();
+  c.fwd_format = stack[i + 11].toInt();
+  c.grad_format = stack[i + 12].toInt();
+  c.epsilon = stack[i + 13].toDouble();
+  c.weight_cache = stack[i + 14].toInt();
+  c.save_original_input = stack[i + 15].toBool();
+  c.parallel_mode = stack[i + 16].toInt();
+  c.sequence_parallel = stack[i + 17].toBool();
+  c.group_name = stack[i + 18].toStringRef();
+  c.debug = stack[i + 19].toIntVector();
+  c.main_grad_overwrite = stack[i + 20].toBool();
+  c.saves_input = stack[i + 21].toBool();
+  c.need_dgrad = stack[i + 22].toBool();
+  c.need_wgrad = stack[i + 23].toBool();
+  c.prologue = stack[i + 26].toInt();
+  c.prologue_eps = stack[i + 27].toDouble();
+  c.keep_prologue_output = stack[i + 28].toBool();
+  return {std::move(p), std::move(l)};
+}
+
+using ForwardOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                  at::Tensor, at::Tensor, at::Tensor>;
+ForwardOutputs run_forward(const at::Tensor& x, const Params& p, const Layer& l) {
+  const Config& c = l.c;
   // A checkpoint's recompute casts with its first forward's scales and records no amax.
   return forward_op().call(
-      x, weight, bias, replay ? replay : scale, replay ? OptTensor() : amax_history, cache_rowwise,
-      cache_columnwise, cache_scale_inv, main_grad, c.scaling, c.fwd_format, c.grad_format,
-      c.epsilon, c.weight_cache, c.save_original_input, c.parallel_mode, c.sequence_parallel,
-      c.group_name, c.debug, need_dgrad, need_wgrad, prologue_weight, prologue_bias, c.prologue,
-      c.prologue_eps, c.keep_prologue_output);
+      x, p.weight, p.bias, l.replay ? l.replay : l.scale, l.replay ? OptTensor() : l.amax_history,
+      l.cache_rowwise, l.cache_columnwise, l.cache_scale_inv, l.main_grad, c.scaling, c.fwd_format,
+      c.grad_format, c.epsilon, c.weight_cache, c.save_original_input, c.parallel_mode,
+      c.sequence_parallel, c.group_name, c.debug, c.need_dgrad, c.need_wgrad, p.prologue_weight,
+      p.prologue_bias, c.prologue, c.prologue_eps, c.keep_prologue_output);
 }
 
 struct Saved : torch::CustomClassHolder {
@@ -75,16 +142,14 @@ struct Saved : torch::CustomClassHolder {
   std::vector<c10::SymInt> x_shape;
   at::ScalarType x_dtype;
   std::optional<at::ScalarType> bias_dtype;
-  bool need_dx = false, need_dw = false, need_db = false;  // (optional inputs shift indices)
+  bool need_dx = false, need_dw = false, need_db = false;
   bool need_dprologue_weight = false, need_dprologue_bias = false;
   bool need_dgrad() const { return need_dx || need_dprologue_weight || need_dprologue_bias; }
+  bool need_wgrad() const { return need_dw || main_grad.has_value(); }
 };
 
-constexpr size_t kInputs = 16;  // forward's arguments after ctx: a gradient (or none) each
-constexpr size_t kPrologueWeight = 11, kPrologueBias = 12;  // (their indices among them)
-
-// What forward saves, by position: the high-precision input of the GEMMs (or nothing), the FP8
-// input and weight, the weight, and a prologue's input, weight and statistics.
+// What a layer's forward saves, by position: the high-precision input of the GEMMs (or
+// nothing), the FP8 input and weight, the weight, and a prologue's input, weight and statistics.
 enum SavedIndex : size_t {
   kX,
   kXFp8,
@@ -95,86 +160,126 @@ enum SavedIndex : size_t {
   kPrologueInput,
   kPrologueWeightSaved,
   kMean,
-  kRstd
+  kRstd,
+  kSavedPerLayer
 };
+
+// A layer's forward: its outputs (y, the prologue's output or empty), and what its backward
+// needs, appended to `to_save`. `need_dx`: whether its input's gradient will be asked for.
+struct LayerForward {
+  at::Tensor y, x_hp;
+  c10::intrusive_ptr<Saved> s;
+};
+LayerForward layer_forward(const at::Tensor& x, const Params& p, const Layer& l, bool need_dx,
+                           std::vector<at::Tensor>& to_save) {
+  auto [y, x_fp8, x_scale_inv, w_fp8, w_scale_inv, x_hp, mean, rstd] = run_forward(x, p, l);
+  const Config& c = l.c;
+  if (c.weight_cache != 0) {  // the cache is backward's FP8 weight
+    w_fp8 = *l.cache_columnwise;
+    w_scale_inv = *l.cache_scale_inv;
+  }
+  const bool prologue = c.prologue != 0;
+  const at::Tensor gemm_input = prologue ? x_hp : x;
+  to_save.insert(to_save.end(), {c.saves_input ? gemm_input : at::Tensor(), x_fp8, x_scale_inv,
+                                 p.weight, w_fp8, w_scale_inv, prologue ? x : at::Tensor(),
+                                 p.prologue_weight.value_or(at::Tensor()), mean, rstd});
+  auto s = c10::make_intrusive<Saved>();
+  s->scale = l.scale;  // (backward casts dy with today's gradient scale)
+  s->grad_amax_history = l.grad_amax_history;
+  s->main_grad = l.main_grad;
+  s->prologue_bias = p.prologue_bias;
+  s->x_shape = x.sym_sizes().vec();
+  if (prologue) s->x_shape.back() = p.weight.sym_size(1);  // (the GEMMs' input: in_features)
+  s->x_dtype = x.scalar_type();
+  if (p.bias) s->bias_dtype = p.bias->scalar_type();
+  s->need_dx = need_dx;
+  s->need_dw = p.weight.requires_grad();
+  s->need_db = p.bias && p.bias->requires_grad();
+  s->need_dprologue_weight = p.prologue_weight && p.prologue_weight->requires_grad();
+  s->need_dprologue_bias = p.prologue_bias && p.prologue_bias->requires_grad();
+  s->c = c;
+  return {y, x_hp, s};
+}
 
 OptTensor saved_or_none(const variable_list& saved, size_t i, bool wanted = true) {
   return wanted && saved[i].defined() ? OptTensor(saved[i]) : std::nullopt;
 }
 
+// What a layer's backward gives to (the MLP's fc2) or takes from (fc1) the FP8 handoff.
+struct Handoff {
+  OptTensor scale, grad_amax_history;
+  bool rowwise = false, columnwise = false;
+  OptTensor dy_rowwise, dy_columnwise, dy_scale_inv;
+};
+
+// A layer's backward from `saved` (its kSavedPerLayer tensors from `first` on).
+BackwardOutputs layer_backward(const at::Tensor& dy, const variable_list& saved, size_t first,
+                               const Saved& s, const OptTensor& output_grad,
+                               const Handoff& h = {}) {
+  const Config& c = s.c;
+  const auto at = [&](size_t i, bool wanted = true) {
+    return saved_or_none(saved, first + i, wanted);
+  };
+  return backward_op().call(
+      dy, at(kX), saved[first + kXFp8], saved[first + kXScaleInv], saved[first + kWeight],
+      saved[first + kWFp8], saved[first + kWScaleInv], s.scale, s.grad_amax_history, s.main_grad,
+      c.main_grad_overwrite, c.scaling, c.fwd_format, c.grad_format, c.epsilon,
+      c.save_original_input, c.parallel_mode, c.sequence_parallel, c.group_name, c.debug, s.x_shape,
+      s.x_dtype, s.need_db ? s.bias_dtype : std::nullopt, s.need_dgrad(), s.need_wgrad(),
+      at(kPrologueInput), at(kPrologueWeightSaved), s.prologue_bias,
+      at(kMean, c.prologue == static_cast<int64_t>(Prologue::kLayerNorm)),
+      at(kRstd, prologue_args(c.prologue, {}, {}, 0.0).norm()), c.prologue, output_grad, h.scale,
+      h.grad_amax_history, h.rowwise, h.columnwise, h.dy_rowwise, h.dy_columnwise, h.dy_scale_inv);
+}
+
+// A layer's gradients into `out`, at the positions of its differentiable inputs (x, weight,
+// bias, prologue weight and bias; -1: not an input of the op).
+void place_grads(const BackwardOutputs& g, const Saved& s, variable_list& out,
+                 std::array<int, 5> at) {
+  const bool wanted[5] = {s.need_dx, s.need_dw && !s.main_grad, s.need_db, s.need_dprologue_weight,
+                          s.need_dprologue_bias};
+  const at::Tensor grads[5] = {std::get<0>(g), std::get<1>(g), std::get<2>(g), std::get<3>(g),
+                               std::get<4>(g)};
+  for (size_t i = 0; i < 5; ++i) {
+    if (wanted[i] && at[i] >= 0) out[at[i]] = grads[i];
+  }
+}
+
+c10::intrusive_ptr<Saved> saved_layer(AutogradContext* ctx, const char* key) {
+  return c10::static_intrusive_pointer_cast<Saved>(ctx->saved_data[key].toCapsule());
+}
+
+// The output gradient of a prologue the module returned (a norm output), where one came.
+OptTensor returned_output_grad(const Config& c, const at::Tensor& grad) {
+  return c.keep_prologue_output && grad.defined() ? OptTensor(grad) : std::nullopt;
+}
+
 struct LinearAutograd : torch::autograd::Function<LinearAutograd> {
   // (y, the prologue's output where asked for, else empty)
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                               const OptTensor& bias, const OptTensor& scale,
-                               const OptTensor& amax_history, const OptTensor& grad_amax_history,
-                               const OptTensor& replay, const OptTensor& cache_rowwise,
-                               const OptTensor& cache_columnwise, const OptTensor& cache_scale_inv,
-                               const OptTensor& main_grad, const OptTensor& prologue_weight,
-                               const OptTensor& prologue_bias, Config c, bool need_dgrad,
-                               bool need_wgrad) {
-    auto [y, x_fp8, x_scale_inv, w_fp8, w_scale_inv, x_hp, mean, rstd] = run_forward(
-        x, weight, bias, scale, amax_history, replay, cache_rowwise, cache_columnwise,
-        cache_scale_inv, main_grad, prologue_weight, prologue_bias, c, need_dgrad, need_wgrad);
-    if (c.weight_cache != 0) {  // the cache is backward's FP8 weight
-      w_fp8 = *cache_columnwise;
-      w_scale_inv = *cache_scale_inv;
-    }
-    const bool prologue = c.prologue != 0;
-    const at::Tensor gemm_input = prologue ? x_hp : x;
-    ctx->save_for_backward({c.saves_input ? gemm_input : at::Tensor(), x_fp8, x_scale_inv, weight,
-                            w_fp8, w_scale_inv, prologue ? x : at::Tensor(),
-                            prologue_weight.value_or(at::Tensor()), mean, rstd});
-    auto s = c10::make_intrusive<Saved>();
-    s->scale = scale;
-    s->grad_amax_history = grad_amax_history;
-    s->main_grad = main_grad;
-    s->prologue_bias = prologue_bias;
-    if (prologue) {  // (the GEMMs' input is the prologue's output: in_features wide)
-      s->x_shape = x.sym_sizes().vec();
-      s->x_shape.back() = weight.sym_size(1);
-    } else {
-      s->x_shape = x.sym_sizes().vec();
-    }
-    s->x_dtype = x.scalar_type();
-    if (bias) s->bias_dtype = bias->scalar_type();
-    s->need_dx = x.requires_grad();
-    s->need_dw = weight.requires_grad();
-    s->need_db = bias && bias->requires_grad();
-    s->need_dprologue_weight = prologue_weight && prologue_weight->requires_grad();
-    s->need_dprologue_bias = prologue_bias && prologue_bias->requires_grad();
-    if (!c.keep_prologue_output) ctx->mark_non_differentiable({x_hp});
-    s->c = std::move(c);
-    ctx->saved_data["s"] = c10::IValue::make_capsule(s);
-    return {y, x_hp};
+                               const OptTensor& bias, const OptTensor& prologue_weight,
+                               const OptTensor& prologue_bias, const Layer& l) {
+    std::vector<at::Tensor> to_save;
+    LayerForward f = layer_forward(x, {weight, bias, prologue_weight, prologue_bias}, l,
+                                   x.requires_grad(), to_save);
+    ctx->save_for_backward(to_save);
+    if (!l.c.keep_prologue_output) ctx->mark_non_differentiable({f.x_hp});
+    ctx->saved_data["s"] = c10::IValue::make_capsule(f.s);
+    return {f.y, f.x_hp};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto s = c10::static_intrusive_pointer_cast<Saved>(ctx->saved_data["s"].toCapsule());
+    const auto s = saved_layer(ctx, "s");
     const auto saved = ctx->get_saved_variables();
-    const Config& c = s->c;
     // Grad mode on inside backward means create_graph=True (double backward).
     if (at::GradMode::is_enabled()) return differentiable_backward(grads[0], saved, *s);
-    const OptTensor output_grad =
-        c.keep_prologue_output && grads[1].defined() ? OptTensor(grads[1]) : std::nullopt;
-    auto [dx, dw, db, dpw, dpb] = backward_op().call(
-        grads[0], saved_or_none(saved, kX), saved[kXFp8], saved[kXScaleInv], saved[kWeight],
-        saved[kWFp8], saved[kWScaleInv], s->scale, s->grad_amax_history, s->main_grad,
-        c.main_grad_overwrite, c.scaling, c.fwd_format, c.grad_format, c.epsilon,
-        c.save_original_input, c.parallel_mode, c.sequence_parallel, c.group_name, c.debug,
-        s->x_shape, s->x_dtype, s->need_db ? s->bias_dtype : std::nullopt, s->need_dgrad(),
-        s->need_dw || s->main_grad.has_value(), saved_or_none(saved, kPrologueInput),
-        saved_or_none(saved, kPrologueWeightSaved), s->prologue_bias,
-        saved_or_none(saved, kMean, c.prologue == static_cast<int64_t>(Prologue::kLayerNorm)),
-        saved_or_none(saved, kRstd, prologue_args(c.prologue, {}, {}, 0.0).norm()), c.prologue,
-        output_grad);
+    const auto g = layer_backward(grads[0], saved, 0, *s, returned_output_grad(s->c, grads[1]));
     variable_list out(kInputs);
-    if (s->need_dx) out[0] = dx;
-    if (s->need_dw && !s->main_grad) out[1] = dw;
-    if (s->need_db) out[2] = db;
-    if (s->need_dprologue_weight) out[kPrologueWeight] = dpw;
-    if (s->need_dprologue_bias) out[kPrologueBias] = dpb;
+    place_grads(g, *s, out, {0, 1, 2, 3, 4});
     return out;
   }
+
+  static constexpr size_t kInputs = 6;  // forward's arguments after ctx: a gradient (or none) each
 
  private:
   static variable_list differentiable_backward(const at::Tensor& dy, const variable_list& saved,
@@ -196,7 +301,7 @@ variable_list LinearAutograd::differentiable_backward(const at::Tensor& dy,
               : c.prologue != 0      ? "a fused norm or activation"
                                      : "fuse_wgrad_accumulation",
               ". Run the layer outside fp8_autocast (and unsplit) for a gradient penalty");
-  const at::Tensor &x = saved[0], &weight = saved[3];
+  const at::Tensor &x = saved[kX], &weight = saved[kWeight];
   const at::Tensor dy2 = dy.reshape({-1, weight.size(0)});
   variable_list out(kInputs);
   if (s.need_dx) out[0] = dy2.mm(weight).to(s.x_dtype).view_symint(s.x_shape);
@@ -205,66 +310,129 @@ variable_list LinearAutograd::differentiable_backward(const at::Tensor& dy,
   return out;
 }
 
-// The op's kernel: with autograd (the Autograd key) or without (inference mode: the forward op).
-template <bool kAutograd>
-std::tuple<at::Tensor, at::Tensor> linear_kernel(
-    const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, const OptTensor& scale,
-    const OptTensor& amax_history, const OptTensor& grad_amax_history, const OptTensor& replay,
-    const OptTensor& cache_rowwise, const OptTensor& cache_columnwise,
-    const OptTensor& cache_scale_inv, const OptTensor& main_grad, int64_t scaling,
-    int64_t fwd_format, int64_t grad_format, double epsilon, int64_t weight_cache,
-    bool save_original_input, int64_t parallel_mode, bool sequence_parallel,
-    c10::string_view group_name, at::IntArrayRef debug, bool main_grad_overwrite, bool saves_input,
-    bool need_dgrad, bool need_wgrad, const OptTensor& prologue_weight,
-    const OptTensor& prologue_bias, int64_t prologue, double prologue_eps,
-    bool keep_prologue_output) {
-  Config c{scaling,
-           fwd_format,
-           grad_format,
-           weight_cache,
-           parallel_mode,
-           epsilon,
-           save_original_input,
-           sequence_parallel,
-           main_grad_overwrite,
-           saves_input,
-           std::string(group_name),
-           debug.vec(),
-           prologue,
-           prologue_eps,
-           keep_prologue_output};
-  if constexpr (kAutograd) {
-    const variable_list y =
-        LinearAutograd::apply(x, weight, bias, scale, amax_history, grad_amax_history, replay,
-                              cache_rowwise, cache_columnwise, cache_scale_inv, main_grad,
-                              prologue_weight, prologue_bias, std::move(c), need_dgrad, need_wgrad);
-    return {y[0], y[1]};
+// Whether fc2 can hand fc1 its gradient in FP8 (GradHandoff): FP8 without debugging (which
+// needs the high-precision values), an activation between them, and no bias gradient for fc1
+// (the handoff's pass makes no column sums).
+bool hands_off(const Saved& fc1, const Saved& fc2) {
+  const Config& c = fc2.c;
+  return c.scaling != 0 && c.debug.empty() && !prologue_args(c.prologue, {}, {}, 0.0).norm() &&
+         c.prologue != 0 && !fc1.need_db && fc2.need_dx;
+}
+
+struct MlpAutograd : torch::autograd::Function<MlpAutograd> {
+  // (y, fc1's prologue output (the normalized input) where asked for, else empty)
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w1,
+                               const OptTensor& b1, const OptTensor& norm_weight,
+                               const OptTensor& norm_bias, const at::Tensor& w2,
+                               const OptTensor& b2, const Layer& fc1, const Layer& fc2) {
+    std::vector<at::Tensor> to_save;
+    LayerForward f1 =
+        layer_forward(x, {w1, b1, norm_weight, norm_bias}, fc1, x.requires_grad(), to_save);
+    LayerForward f2 = layer_forward(f1.y, {w2, b2, {}, {}}, fc2, fc2.c.need_dgrad, to_save);
+    ctx->save_for_backward(to_save);
+    if (!fc1.c.keep_prologue_output) ctx->mark_non_differentiable({f1.x_hp});
+    ctx->saved_data["fc1"] = c10::IValue::make_capsule(f1.s);
+    ctx->saved_data["fc2"] = c10::IValue::make_capsule(f2.s);
+    return {f2.y, f1.x_hp};
   }
-  const auto r =
-      run_forward(x, weight, bias, scale, amax_history, replay, cache_rowwise, cache_columnwise,
-                  cache_scale_inv, main_grad, prologue_weight, prologue_bias, c, false, false);
-  return {std::get<0>(r), std::get<5>(r)};
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s1 = saved_layer(ctx, "fc1"), s2 = saved_layer(ctx, "fc2");
+    TORCH_CHECK(!at::GradMode::is_enabled(),
+                "tpfp8.LayerNormMLP does not support double backward (create_graph=True)");
+    const auto saved = ctx->get_saved_variables();
+    variable_list out(kInputs);
+    Handoff give;
+    if (hands_off(*s1, *s2)) {
+      give = {s1->scale, s1->grad_amax_history, s1->need_dgrad(), s1->need_wgrad()};
+    }
+    const auto g2 = layer_backward(grads[0], saved, kSavedPerLayer, *s2, std::nullopt, give);
+    place_grads(g2, *s2, out, {-1, 5, 6, -1, -1});
+    const OptTensor norm_grad = returned_output_grad(s1->c, grads[1]);
+    if (!s2->need_dx) return out;
+    BackwardOutputs g1;
+    if (give.rowwise || give.columnwise) {
+      Handoff take;
+      take.dy_rowwise = std::get<5>(g2);
+      take.dy_columnwise = std::get<6>(g2);
+      take.dy_scale_inv = std::get<7>(g2);
+      // (dy itself is FP8 here: an empty tensor says where and in what dtype)
+      const at::Tensor where = grads[0].new_empty({0}, grads[0].options().dtype(s1->x_dtype));
+      g1 = layer_backward(where, saved, 0, *s1, norm_grad, take);
+    } else {
+      g1 = layer_backward(std::get<0>(g2), saved, 0, *s1, norm_grad);
+    }
+    place_grads(g1, *s1, out, {0, 1, 2, 3, 4});
+    return out;
+  }
+
+  static constexpr size_t kInputs = 9;
+};
+
+// The ops' kernels, boxed (each call parses its layers' arguments from the stack): with
+// autograd (the Autograd key) or without (inference mode: the forward ops alone).
+template <bool kAutograd>
+void linear_kernel(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  const at::Tensor x = (*stack)[0].toTensor();
+  auto [p, l] = parse_layer(*stack, 1);
+  at::Tensor y, x_hp;
+  if constexpr (kAutograd) {
+    const variable_list out =
+        LinearAutograd::apply(x, p.weight, p.bias, p.prologue_weight, p.prologue_bias, l);
+    y = out[0];
+    x_hp = out[1];
+  } else {
+    l.c.need_dgrad = l.c.need_wgrad = false;
+    const auto r = run_forward(x, p, l);
+    y = std::get<0>(r);
+    x_hp = std::get<5>(r);
+  }
+  torch::jit::drop(*stack, 1 + kLayerArgs);
+  torch::jit::push(*stack, y, x_hp);
+}
+
+template <bool kAutograd>
+void mlp_kernel(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  const at::Tensor x = (*stack)[0].toTensor();
+  auto [p1, l1] = parse_layer(*stack, 1);
+  auto [p2, l2] = parse_layer(*stack, 1 + kLayerArgs);
+  TORCH_CHECK_VALUE(!p2.prologue_weight && !p2.prologue_bias,
+                    "mlp: fc2's prologue is an activation, which takes no weight or bias");
+  at::Tensor y, x_hp;
+  if constexpr (kAutograd) {
+    const variable_list out = MlpAutograd::apply(x, p1.weight, p1.bias, p1.prologue_weight,
+                                                 p1.prologue_bias, p2.weight, p2.bias, l1, l2);
+    y = out[0];
+    x_hp = out[1];
+  } else {
+    for (Layer* l : {&l1, &l2}) l->c.need_dgrad = l->c.need_wgrad = false;
+    const auto r1 = run_forward(x, p1, l1);
+    y = std::get<0>(run_forward(std::get<0>(r1), p2, l2));
+    x_hp = std::get<5>(r1);
+  }
+  torch::jit::drop(*stack, 1 + 2 * kLayerArgs);
+  torch::jit::push(*stack, y, x_hp);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
-  m.def(
-      "linear(Tensor x, Tensor weight, Tensor? bias, Tensor? scale, Tensor(a!)? amax_history, "
-      "Tensor(b!)? grad_amax_history, Tensor? replay, Tensor(c!)? weight_cache_rowwise, "
-      "Tensor(d!)? weight_cache_columnwise, Tensor(e!)? weight_cache_scale_inv, "
-      "Tensor(f!)? main_grad, int scaling, int fwd_format, int grad_format, float epsilon, "
-      "int weight_cache, bool save_original_input, int parallel_mode, bool sequence_parallel, "
-      "str group_name, int[] debug, bool main_grad_overwrite, bool saves_input, "
-      "bool need_dgrad, bool need_wgrad, Tensor? prologue_weight=None, "
-      "Tensor? prologue_bias=None, int prologue=0, float prologue_eps=0.0, "
-      "bool keep_prologue_output=False) -> (Tensor, Tensor)");
+  const std::string linear =
+      "linear(Tensor x, " + layer_schema("", "abcdef", true) + ") -> (Tensor, Tensor)";
+  const std::string mlp = "mlp(Tensor x, " + layer_schema("fc1_", "abcdef", false) + ", " +
+                          layer_schema("fc2_", "ghijkl", false) + ") -> (Tensor, Tensor)";
+  m.def(linear.c_str());
+  m.def(mlp.c_str());
 }
 
-TORCH_LIBRARY_IMPL(tpfp8, Autograd, m) { m.impl("linear", &linear_kernel<true>); }
-TORCH_LIBRARY_IMPL(tpfp8, CPU, m) { m.impl("linear", &linear_kernel<false>); }
+#define TPFP8_REGISTER_LINEAR_KERNELS(m, autograd)                                         \
+  m.impl("linear", torch::CppFunction::makeFromBoxedFunction<&linear_kernel<autograd>>()); \
+  m.impl("mlp", torch::CppFunction::makeFromBoxedFunction<&mlp_kernel<autograd>>())
+
+TORCH_LIBRARY_IMPL(tpfp8, Autograd, m) { TPFP8_REGISTER_LINEAR_KERNELS(m, true); }
+TORCH_LIBRARY_IMPL(tpfp8, CPU, m) { TPFP8_REGISTER_LINEAR_KERNELS(m, false); }
 #if defined(TPFP8_WITH_CUDA)
-TORCH_LIBRARY_IMPL(tpfp8, CUDA, m) { m.impl("linear", &linear_kernel<false>); }
+TORCH_LIBRARY_IMPL(tpfp8, CUDA, m) { TPFP8_REGISTER_LINEAR_KERNELS(m, false); }
 #endif
 
 }  // namespace tpfp8

@@ -16,7 +16,8 @@ thread_local bool forward_vetted = false;
 
 using ForwardOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                                   at::Tensor, at::Tensor, at::Tensor>;
-using BackwardOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using BackwardOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                   at::Tensor, at::Tensor, at::Tensor>;
 
 bool in_compiled_backward() {
   const auto node = torch::autograd::get_current_node();
@@ -55,7 +56,10 @@ BackwardOutputs backward_op(
     c10::SymIntArrayRef x_shape, at::ScalarType x_dtype, std::optional<at::ScalarType> bias_dtype,
     bool need_dgrad, bool need_wgrad, const OptTensor& prologue_input,
     const OptTensor& prologue_weight, const OptTensor& prologue_bias, const OptTensor& mean,
-    const OptTensor& rstd, int64_t prologue, const OptTensor& prologue_output_grad) {
+    const OptTensor& rstd, int64_t prologue, const OptTensor& prologue_output_grad,
+    const OptTensor& handoff_scale, const OptTensor& handoff_grad_amax_history,
+    bool handoff_rowwise, bool handoff_columnwise, const OptTensor& dy_rowwise,
+    const OptTensor& dy_columnwise, const OptTensor& dy_scale_inv) {
   const LinearConfig c =
       linear_config(scaling, fwd_format, grad_format, epsilon, 0, save_original_input,
                     parallel_mode, sequence_parallel, std::string(group_name), debug);
@@ -70,9 +74,29 @@ BackwardOutputs backward_op(
     saved.stats = {mean.value_or(at::Tensor()), rstd.value_or(at::Tensor())};
     saved.prologue_output_grad = prologue_output_grad.value_or(at::Tensor());
   }
+  GradHandoff handoff{
+      {handoff_scale.value_or(at::Tensor()), {}, handoff_grad_amax_history.value_or(at::Tensor())},
+      handoff_rowwise,
+      handoff_columnwise};
+  Fp8Tensor handed;
+  if (dy_scale_inv) {
+    handed = {dy_rowwise.value_or(at::Tensor()), dy_columnwise.value_or(at::Tensor()),
+              *dy_scale_inv, c.grad_format};
+    TORCH_CHECK_VALUE(
+        (!need_dgrad || handed.rowwise.defined()) && (!need_wgrad || handed.columnwise.defined()),
+        "an FP8 dy needs its row-wise data for dgrad and column-wise for wgrad");
+    handoff.dy = &handed;
+  }
   const Grads g = linear_backward(dy, saved, weight, c, state, main_grad, main_grad_overwrite,
-                                  need_dgrad, need_wgrad, bias_dtype);
-  return {g.dx, g.dw, g.db, g.dprologue_weight, g.dprologue_bias};
+                                  need_dgrad, need_wgrad, bias_dtype, handoff);
+  return {g.dx,
+          g.dw,
+          g.db,
+          g.dprologue_weight,
+          g.dprologue_bias,
+          g.dx_fp8.rowwise,
+          g.dx_fp8.columnwise,
+          g.dx_fp8.scale_inv};
 }
 
 }  // namespace
@@ -131,8 +155,12 @@ TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
       "bool sequence_parallel, str group_name, int[] debug, SymInt[] x_shape, "
       "ScalarType x_dtype, ScalarType? bias_dtype, bool need_dgrad, bool need_wgrad, "
       "Tensor? prologue_input=None, Tensor? prologue_weight=None, Tensor? prologue_bias=None, "
-      "Tensor? mean=None, Tensor? rstd=None, int prologue=0, Tensor? prologue_output_grad=None) "
-      "-> (Tensor dx, Tensor dw, Tensor db, Tensor dprologue_weight, Tensor dprologue_bias)");
+      "Tensor? mean=None, Tensor? rstd=None, int prologue=0, Tensor? prologue_output_grad=None, "
+      "Tensor? handoff_scale=None, Tensor(c!)? handoff_grad_amax_history=None, "
+      "bool handoff_rowwise=False, bool handoff_columnwise=False, Tensor? dy_rowwise=None, "
+      "Tensor? dy_columnwise=None, Tensor? dy_scale_inv=None) "
+      "-> (Tensor dx, Tensor dw, Tensor db, Tensor dprologue_weight, Tensor dprologue_bias, "
+      "Tensor dx_rowwise, Tensor dx_columnwise, Tensor dx_scale_inv)");
 }
 
 TORCH_LIBRARY_IMPL(tpfp8, CPU, m) {

@@ -110,6 +110,32 @@ FusedCast fused_prologue(const at::Tensor& x, const PrologueArgs& p, PrologueSta
   return f;
 }
 
+FusedCast fused_activation_backward(const at::Tensor& dy, const at::Tensor& x,
+                                    const PrologueArgs& p) {
+  TORCH_CHECK(!p.norm() && p.any(), "internal error: a fused backward cast needs an activation");
+  FusedCast f;
+  f.rows = x.size(0);
+  f.cols = x.size(1);
+  f.options = x.options();
+  const int64_t code = activation_code(p);
+  f.amax = [&dy, &x, code](const at::Tensor& amax) {
+    at::Tensor a = amax;
+    activation_backward_amax(dy, x, a, code);
+  };
+  f.cast = [&dy, &x, code](const Fp8Tensor& q, const CastScale& s) {
+    const auto format = static_cast<int64_t>(q.format);
+    if (s.scale_amax) {
+      activation_backward_cast_current(dy, x, *s.scale_amax, s.epsilon, defined(q.rowwise),
+                                       defined(q.columnwise), std::nullopt, q.scale_inv, code,
+                                       format);
+    } else {
+      activation_backward_cast(dy, x, *s.scale, defined(q.rowwise), defined(q.columnwise),
+                               std::nullopt, s.amax, q.scale_inv, code, format);
+    }
+  };
+  return f;
+}
+
 PrologueGrads prologue_backward(const at::Tensor& dy, const at::Tensor& x, const PrologueArgs& p,
                                 const PrologueStats& stats) {
   PrologueGrads g;

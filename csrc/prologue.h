@@ -42,6 +42,11 @@ at::Tensor prologue_high_precision(const at::Tensor& x, const PrologueArgs& p,
 FusedCast fused_prologue(const at::Tensor& x, const PrologueArgs& p, PrologueStats& stats,
                          const at::Tensor& hp_out);
 
+// An activation's backward, dx = dy * act'(x), with the FP8 cast of dx in its pass (the
+// gradient of LayerNormMLP's fc1 output, cast with fc1's gradient quantizer).
+FusedCast fused_activation_backward(const at::Tensor& dy, const at::Tensor& x,
+                                    const PrologueArgs& p);
+
 struct PrologueGrads {
   at::Tensor dx, dweight, dbias;  // dweight / dbias: a norm's, undefined for an activation
 };

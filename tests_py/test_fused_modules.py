@@ -119,27 +119,102 @@ def test_norm_linear_equals_norm_then_linear(device, recipe, normalization, dtyp
         assert_same(state_of(fused), state_of(ref.linear), f"FP8 state, step {i}")
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
-def test_mlp_equals_its_composition(device, recipe, activation):
-    """fp32, where the activation's FP8 codes (cast from its fp32 value) equal the cast of its
-    high-precision output."""
+def mlp_and_composition(device, activation, bias=True, dtype=torch.float32):
+    """A LayerNormMLP (RMSNorm) and the same parameters as its composition: norm then Linear,
+    our activation op, Linear."""
     torch.manual_seed(0)
     mlp = tpfp8.LayerNormMLP(64, 32, activation=activation, normalization="RMSNorm",
-                             device=device)
+                             device=device, bias=bias).to(dtype)
     fc1 = NormThenLinear(copy.deepcopy(mlp.fc1))
-    fc2 = tpfp8.Linear(32, 64, device=device)
+    fc2 = tpfp8.Linear(32, 64, device=device, bias=bias).to(dtype)
     fc2.load_state_dict(mlp.fc2.state_dict())
 
     def ref(x):
         return fc2(_Activation.apply(fc1(x), activation))
-    ref_params = list(fc1.parameters()) + list(fc2.parameters())
+    return mlp, ref, list(fc1.parameters()) + list(fc2.parameters()), fc2
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_mlp_equals_its_composition(device, recipe, activation, bias):
+    """fp32, where the activation's FP8 codes (cast from its fp32 value) equal the cast of its
+    high-precision output; and so do fc1's gradient codes handed over in FP8 (bias=False) and
+    the cast of the high-precision gradient (bias=True: fc1's bias gradient needs it)."""
+    mlp, ref, ref_params, fc2 = mlp_and_composition(device, activation, bias)
     x = torch.randn(48, 64, device=device)
     for i in range(3):
         got = train_step(mlp, x * (i + 1), RECIPES[recipe])
         want = train_step(ref, x * (i + 1), RECIPES[recipe], params=ref_params)
         assert_same(got, want, f"step {i}")
         assert_same(state_of(mlp.fc2), state_of(fc2), f"fc2 FP8 state, step {i}")
+
+
+class _BackwardCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """The linear_backward calls made under it, as (handoff given, FP8 dy taken)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.tpfp8.linear_backward.default:
+            schema = [a.name for a in func._schema.arguments]
+            named = dict(zip(schema, args), **(kwargs or {}))
+            self.calls.append((bool(named.get("handoff_rowwise")),
+                               named.get("dy_scale_inv") is not None))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("bias, debug, recipe, handed", [
+    (False, False, "delayed", True), (False, False, "current", True),
+    (True, False, "delayed", False), (False, True, "delayed", False),
+    (False, False, "high precision", False)])
+def test_mlp_backward_hands_fc1_its_gradient_in_fp8(bias, debug, recipe, handed):
+    """fc2's backward casts fc1's gradient in the activation backward's pass, and fc1's
+    backward takes it; not where fc1's bias needs the high-precision gradient, when debugging
+    or outside FP8."""
+    mlp, *_ = mlp_and_composition("cpu", "swiglu", bias)
+    mlp.fc2.name = "probe"
+    if debug:
+        tpfp8.debug.initialize([{"layers": "probe", "features": {"log_stats": {}}}])
+    try:
+        x = torch.randn(48, 64, requires_grad=True)
+        with tpfp8.fp8_autocast(enabled=recipe != "high precision", recipe=RECIPES[recipe]):
+            y = mlp(x)
+        with _BackwardCalls() as seen:
+            y.square().sum().backward()
+        assert seen.calls == [(handed, False), (False, handed)]
+        assert not debug or tpfp8.debug.records()
+    finally:
+        if debug:
+            tpfp8.debug.shutdown()
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_bf16_mlp_handoff_is_as_close_to_fp64_as_the_composition(recipe):
+    """In bf16 the handed-over codes are cast from the fp32 gradient, the composition's from
+    its bf16 rounding: not the same bytes, and no less accurate against fp64 (the same
+    parameters, in fp64, without FP8)."""
+    mlp, ref, ref_params, _ = mlp_and_composition("cpu", "swiglu", False, torch.bfloat16)
+    named = {n: t.detach().double().requires_grad_(True) for n, t in mlp.named_parameters()}
+    p = list(named.values())  # (mlp.parameters()' order)
+    norm_weight, w1, w2 = (named[n] for n in ("fc1.layer_norm_weight", "fc1.weight",
+                                              "fc2.weight"))
+
+    def exact(x):
+        h = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + mlp.fc1.eps) * norm_weight
+        gate, up = (h @ w1.T).chunk(2, -1)
+        return (nn.functional.silu(gate) * up) @ w2.T
+    x = torch.randn(48, 64) * 2
+    got = train_step(mlp, x.bfloat16(), RECIPES[recipe])
+    want = train_step(ref, x.bfloat16(), RECIPES[recipe], params=ref_params)
+    truth = train_step(exact, x.double(), None, params=p)
+    for i, (g, w, t) in enumerate(zip(got, want, truth)):
+        err_got = float((g.double() - t).norm() / t.norm())
+        err_want = float((w.double() - t).norm() / t.norm())
+        # (E5M2 gradients: 2 mantissa bits, ~10 % relative error in dx either way)
+        assert err_got < 0.25 and err_got <= 1.25 * err_want + 1e-3, (i, err_got, err_want)
 
 
 def test_norm_linear_is_close_to_an_fp64_emulation(device):

@@ -91,6 +91,8 @@ def linear_samples(device, x, f32, u8, g):
     codes = torch.randint(0, 126, (64, 48), generator=g, dtype=torch.uint8).to(device)
     x_codes = torch.randint(0, 126, (64, 32), generator=g, dtype=torch.uint8).to(device)
     dy = torch.randn(32, 48, generator=g).bfloat16().to(device)
+    dy_codes = torch.randint(0, 124, (32, 48), generator=g,  # (E5M2: finite)
+                             dtype=torch.uint8).to(device)
 
     def state(rows):
         return f32(1.0, 2.0, 4.0), torch.zeros(rows, 8, device=device)
@@ -123,11 +125,46 @@ def linear_samples(device, x, f32, u8, g):
             torch.zeros(48, 64, device=device), False,
             *config(delayed)[:4], False, 0, False, "", [], [32, 64], torch.bfloat16,
             torch.float32, True, True),
+        # fc2 of an MLP (GELU prologue) handing fc1 its gradient in FP8, and fc1 taking one.
+        "linear_backward handoff": (
+            dy, None, x_codes, f32(0.5), w, codes, f32(0.25), *state(1), None, False,
+            *config(delayed)[:4], False, 0, False, "", [], [32, 64], torch.bfloat16, None, True,
+            True, x, None, None, None, None, 3, None, f32(1.0, 2.0, 4.0),
+            torch.zeros(1, 8, device=device), True, True),
+        "linear_backward fp8 dy": (
+            dy.new_empty(0), None, x_codes, f32(0.5), w, codes, f32(0.25), *state(1), None,
+            False, *config(delayed)[:4], False, 0, False, "", [], [32, 64], torch.bfloat16,
+            None, True, True, None, None, None, None, None, 0, None, None, None, False, False,
+            dy_codes, dy_codes.t().contiguous(), f32(0.125)),
+        **mlp_samples(device, x, state, config, g),
         "linear_backward high precision": (
             dy, x, u8(0), f32(), w.bfloat16(), u8(0), f32(), None, None, None, False,
             *config(0)[:4], False, 0, False, "", [], [32, 64], torch.bfloat16, torch.bfloat16,
             True, True),
     }
+
+
+def mlp_samples(device, x, state, config, g):
+    """LayerNormMLP's two Linears as one op (RMSNorm -> fc1 -> GELU -> fc2), delayed scaling,
+    with autograd (its backward hands fc1 an FP8 gradient) and without."""
+    def layer(w, prologue):
+        return (w, None, *state(2), state(1)[1], None, None, None, None, None, *config(1),
+                False, False, True, True, *prologue)
+
+    def weights():
+        return (torch.randn(96, 64, generator=g).to(device).requires_grad_(True),
+                torch.randn(48, 96, generator=g).to(device).requires_grad_(True))
+
+    gamma = (1 + torch.randn(64, generator=g)).to(device)
+    out = {}
+    for name, grad in (("mlp delayed with autograd", True), ("mlp delayed", False)):
+        w1, w2 = weights()
+        with torch.no_grad():
+            w1, w2 = (w1, w2) if grad else (w1.detach(), w2.detach())
+        out[name] = (x.clone().requires_grad_(grad),
+                     *layer(w1, (gamma.clone().requires_grad_(grad), None, 2, 1e-5, False)),
+                     *layer(w2, (None, None, 3, 0.0, False)))
+    return out
 
 
 OP_CASES = list(samples("cpu"))

@@ -604,12 +604,14 @@ def check_fused_mlp_matches_single_rank(group):
     """LayerNormMLP(set_parallel_mode=True) -- RMSNorm on this rank's rows (sequence
     parallel) or on the whole input, FP8-gathered; column fc1 holding [gate_r | up_r]; SwiGLU;
     row fc2 -- against the same MLP on one rank: y, dx and every gradient, the norm's weight
-    gradient summed over the group. Bounds as (b) in the module docstring."""
+    gradient summed over the group. Without biases, fc2 hands fc1 its gradient in FP8 (the
+    handoff), on each rank its own columns. Bounds as (b) in the module docstring."""
     tp, r = dist.get_world_size(), dist.get_rank()
     recipes = (None, tpfp8.DelayedScaling(amax_history_len=4), tpfp8.CurrentScaling())
-    for sp, recipe in itertools.product((False, True), recipes):
+    for sp, recipe, bias in itertools.product((False, True), recipes, (True, False)):
         torch.manual_seed(51)
-        kw = {"activation": "swiglu", "normalization": "RMSNorm", "device": DEVICE}
+        kw = {"activation": "swiglu", "normalization": "RMSNorm", "device": DEVICE,
+              "bias": bias}
         full = tpfp8.LayerNormMLP(K, N, **kw)
         split = tpfp8.LayerNormMLP(K, N, set_parallel_mode=True, tp_group=group,
                                    sequence_parallel=sp, **kw)
@@ -620,7 +622,7 @@ def check_fused_mlp_matches_single_rank(group):
         x = torch.randn(S * B, K, device=DEVICE)
         exact = recipe is None or (sp and isinstance(recipe, tpfp8.DelayedScaling))
         bound = FP8_TIGHT if exact else 0.15  # (the GPU's GEMMs: summation order, ~1e-4)
-        what = f"fused MLP sp={sp} {_recipe_name(recipe)}"
+        what = f"fused MLP sp={sp} bias={bias} {_recipe_name(recipe)}"
         for step in range(2):
             want = _mlp_step(full, x * (step + 1), recipe, enabled=recipe is not None)
             got = _mlp_step(split, (x.chunk(tp)[r] if sp else x) * (step + 1), recipe,
@@ -631,9 +633,10 @@ def check_fused_mlp_matches_single_rank(group):
             expect(rel(got[1], want[1]), bound, f"{what} dx, step {step}")
             pairs = ((split.fc1.layer_norm_weight.grad, full.fc1.layer_norm_weight.grad),
                      (split.fc1._unshard(split.fc1.weight.grad, 0), full.fc1.weight.grad),
-                     (split.fc1._unshard(split.fc1.bias.grad, 0), full.fc1.bias.grad),
-                     (split.fc2._unshard(split.fc2.weight.grad, 1), full.fc2.weight.grad),
-                     (split.fc2.bias.grad, full.fc2.bias.grad))
+                     (split.fc2._unshard(split.fc2.weight.grad, 1), full.fc2.weight.grad))
+            if bias:
+                pairs += ((split.fc1._unshard(split.fc1.bias.grad, 0), full.fc1.bias.grad),
+                          (split.fc2.bias.grad, full.fc2.bias.grad))
             for i, (a, b) in enumerate(pairs):
                 expect(rel(a, b), bound, f"{what} gradient {i}, step {step}")
             for p in list(full.parameters()) + list(split.parameters()):

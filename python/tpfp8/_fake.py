@@ -6,7 +6,7 @@ kernels only declare that the op exists off the real devices. The Linear's ops r
 tensors: their fake kernels give the shapes the C++ ops give (csrc/linear.cpp) and, for the
 forward, run the same argument check (ValueError) the op runs. (``linear`` itself is reached
 here only without autograd -- inference mode: with it, its C++ autograd kernel calls the two
-others.)
+others; the same for ``mlp``, LayerNormMLP's two Linears.)
 """
 import torch
 from torch.distributed import distributed_c10d
@@ -18,7 +18,7 @@ _WRITERS = ("quantize", "cast_transpose", "cast_transpose_current", "transpose_f
             "norm_cast", "norm_cast_current", "activation_cast", "activation_cast_current",
             "activation_amax", "activation_backward_cast", "activation_backward_cast_current",
             "activation_backward_amax")
-OPS = _WRITERS + ("linear", "linear_forward", "linear_backward", "norm_backward")
+OPS = _WRITERS + ("linear", "mlp", "linear_forward", "linear_backward", "norm_backward")
 _COLUMN, _NONE = int(_C.ParallelMode.COLUMN), int(_C.Scaling.NONE)
 _LAYER_NORM = int(_C.Prologue.LAYER_NORM)
 _NORMS = (_LAYER_NORM, int(_C.Prologue.RMS_NORM))
@@ -102,10 +102,14 @@ def _linear_backward(dy, x, x_fp8, x_scale_inv, weight, w_fp8, w_scale_inv, scal
                      grad_format, epsilon, save_original_input, parallel_mode, sequence_parallel,
                      group_name, debug, x_shape, x_dtype, bias_dtype, need_dgrad, need_wgrad,
                      prologue_input=None, prologue_weight=None, prologue_bias=None, mean=None,
-                     rstd=None, prologue=0, prologue_output_grad=None):
-    def nothing():  # (a placeholder for a gradient not asked for)
-        return dy.new_empty(0)
-    if not need_dgrad:
+                     rstd=None, prologue=0, prologue_output_grad=None, handoff_scale=None,
+                     handoff_grad_amax_history=None, handoff_rowwise=False,
+                     handoff_columnwise=False, dy_rowwise=None, dy_columnwise=None,
+                     dy_scale_inv=None):
+    def nothing(dtype=None):  # (a placeholder for a gradient not asked for)
+        return dy.new_empty(0, dtype=dtype)
+    handoff = handoff_rowwise or handoff_columnwise
+    if not need_dgrad or handoff:
         dx = nothing()
     elif prologue:
         dx = prologue_input.new_empty(prologue_input.shape)
@@ -117,7 +121,14 @@ def _linear_backward(dy, x, x_fp8, x_scale_inv, weight, w_fp8, w_scale_inv, scal
     dpw = prologue_weight.new_empty(prologue_weight.shape) if norm else nothing()
     dpb = prologue_bias.new_empty(prologue_bias.shape) if norm and prologue_bias is not None \
         else nothing()
-    return dx, dw, db, dpw, dpb
+    # The activation input's gradient in FP8 for the layer before (GradHandoff, csrc/linear.h).
+    rows, cols = (prologue_input.numel() // prologue_input.shape[-1],
+                  prologue_input.shape[-1]) if handoff else (0, 0)
+    u8 = torch.uint8
+    dx_rowwise = dy.new_empty(rows, cols, dtype=u8) if handoff_rowwise else nothing(u8)
+    dx_columnwise = dy.new_empty(cols, rows, dtype=u8) if handoff_columnwise else nothing(u8)
+    dx_scale_inv = dy.new_empty(1 if handoff else 0, dtype=torch.float32)
+    return dx, dw, db, dpw, dpb, dx_rowwise, dx_columnwise, dx_scale_inv
 
 
 @torch.library.register_fake("tpfp8::linear")
@@ -135,3 +146,12 @@ def _linear(x, weight, bias, scale, amax_history, grad_amax_history, replay, cac
                           group_name, debug, need_dgrad, need_wgrad, prologue_weight,
                           prologue_bias, prologue, prologue_eps, keep_prologue_output)
     return out[0], out[5]
+
+
+@torch.library.register_fake("tpfp8::mlp")
+def _mlp(x, *layers):
+    """Two ``linear`` calls, fc1's output fc2's input (inference mode, as ``linear``)."""
+    per_layer = len(layers) // 2
+    y1, normalized = _linear(x, *layers[:per_layer])
+    y, _ = _linear(y1, *layers[per_layer:])
+    return y, normalized

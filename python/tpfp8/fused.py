@@ -220,11 +220,24 @@ class LayerNormMLP(nn.Module):
                 state_dict[prefix + mine] = state_dict.pop(prefix + theirs)
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):
-        h = self.fc1(x, is_first_microbatch)
-        normalized = None
-        if self.return_layernorm_output:
-            h, normalized = h
-        y = self.fc2(h, is_first_microbatch)
+        """fc1 and fc2 as one op (torch.ops.tpfp8.mlp), so that in FP8 fc2's backward hands
+        fc1 its gradient already cast: the activation's backward writes fc1's FP8 gradient
+        in its own pass, with fc1's gradient scale (not when debugging, or when fc1's bias
+        needs a gradient: that pass makes no column sums). The submodules' own forward hooks
+        do not run here."""
+        fc1, fc2 = self.fc1, self.fc2
+        first = fc1._begin(x, is_first_microbatch)
+        second = fc2._begin(first.x, is_first_microbatch, input_needs_grad=first.gives_grad())
+        vet = first.vet or second.vet
+        if vet:  # (as Linear.forward)
+            _C.set_forward_vetted(True)
+        try:
+            y, normalized = torch.ops.tpfp8.mlp(first.x, *first.op_args, *second.op_args)
+        finally:
+            if vet:
+                _C.set_forward_vetted(False)
+        fc1._end(first)
+        fc2._end(second)
         return (y, normalized) if self.return_layernorm_output else y
 
 

@@ -366,41 +366,60 @@ class Linear(nn.Linear):
         state, weight cache and ``weight.main_grad`` are only changed by calls that succeed.
         On the meta device it gives the output's shape and dtype and keeps nothing.
         """
+        call = self._begin(x, is_first_microbatch)
+        if call.vet:  # inside backward: the op refuses forwards the module did not check
+            _C.set_forward_vetted(True)
+        try:
+            y, prologue_out = torch.ops.tpfp8.linear(call.x, *call.op_args)
+        finally:
+            if call.vet:
+                _C.set_forward_vetted(False)
+        self._end(call)
+        return self._outputs(y, self._config.return_bias, call.bias_out, prologue_out)
+
+    def _begin(self, x, is_first_microbatch, input_needs_grad: Optional[bool] = None) -> "_Call":
+        """Everything before the op: the recipe or the forward a checkpoint repeats, the input
+        in the GEMMs' dtype, the op's arguments after the input and the state made for them.
+        ``input_needs_grad`` overrides ``x.requires_grad`` where ``x`` stands in for an input
+        the op makes itself (LayerNormMLP's fc2: fc1's output)."""
         param, config = self.weight, self._config
         self._check_type(x)
         checkpoints = None if torch.compiler.is_compiling() else _checkpointing.around()
         repeated = self._repeated(checkpoints)  # (a recompute: the forward it repeats)
-        recompute = repeated is not None
-        frame = self._recompute_frame(repeated) if recompute else _autocast.current()
+        frame = self._recompute_frame(repeated) if repeated is not None else _autocast.current()
         recipe = frame["recipe"] if frame is not None else None
         x, weight, bias = self._compute_dtype(x, param, in_fp8=recipe is not None)
         bias_out = None
         if config.return_bias:
             bias_out, bias = bias, None
-        call = self._prepare(config, recipe, frame, x, param, is_first_microbatch, repeated)
+        if input_needs_grad is None:
+            input_needs_grad = x.requires_grad
+        call = self._prepare(config, recipe, frame, param, is_first_microbatch, repeated,
+                             input_needs_grad, x.device)
         a = call.args
         scale, _, amax_history, grad_amax_history = call.state or (None,) * len(_STATE)
-        vetted = checkpoints is not None and checkpoints.in_backward
-        if vetted:  # inside backward: the op refuses forwards the module did not check
-            _C.set_forward_vetted(True)
-        try:
-            y, prologue_out = torch.ops.tpfp8.linear(
-                x, weight, bias, scale, amax_history,
-                grad_amax_history if a.records_grad_amax else None, call.replay,
-                *call.weight_cache, call.main_grad, a.scaling, a.fwd_format, a.grad_format,
-                a.epsilon, a.weight_cache, config.save_original_input, config.parallel_mode,
-                config.sequence_parallel, config.group_name, a.debug, a.main_grad_overwrite,
-                a.saves_input, a.need_dgrad, a.need_wgrad, *self._prologue())
-        finally:
-            if vetted:
-                _C.set_forward_vetted(False)
-        if not x.is_meta:
-            self._commit(call, param, frame, recompute)
-            if checkpoints is not None and not recompute:
-                _checkpointing.record(self, self._forward_record(frame), checkpoints)
-                if recipe is not None and not self._fp8_ran_fp8:
-                    self._fp8_ran_fp8 = True
-        return self._outputs(y, config.return_bias, bias_out, prologue_out)
+        call.x, call.bias_out, call.frame, call.checkpoints = x, bias_out, frame, checkpoints
+        call.recompute = repeated is not None
+        call.vet = checkpoints is not None and checkpoints.in_backward
+        call.op_args = (
+            weight, bias, scale, amax_history,
+            grad_amax_history if a.records_grad_amax else None, call.replay, *call.weight_cache,
+            call.main_grad, a.scaling, a.fwd_format, a.grad_format, a.epsilon, a.weight_cache,
+            config.save_original_input, config.parallel_mode, config.sequence_parallel,
+            config.group_name, a.debug, a.main_grad_overwrite, a.saves_input, a.need_dgrad,
+            a.need_wgrad, *self._prologue())
+        return call
+
+    def _end(self, call: "_Call") -> None:
+        """After a successful op: keeps what the call made and records it for checkpoints."""
+        if call.x.is_meta:
+            return
+        self._commit(call, self.weight, call.frame, call.recompute)
+        if call.checkpoints is not None and not call.recompute:
+            _checkpointing.record(self, self._forward_record(call.frame), call.checkpoints)
+            if call.frame is not None and call.frame["recipe"] is not None \
+                    and not self._fp8_ran_fp8:
+                self._fp8_ran_fp8 = True
 
     # ---- what the fused modules change ----------------------------------------------------
 
@@ -416,14 +435,14 @@ class Linear(nn.Linear):
         """What forward returns: y, or (y, bias) with return_bias."""
         return (y, bias) if return_bias else y
 
-    def _prepare(self, config, recipe, frame, x, param, is_first_microbatch,
-                 repeated) -> "_Call":
+    def _prepare(self, config, recipe, frame, param, is_first_microbatch, repeated,
+                 input_needs_grad: bool, device) -> "_Call":
         """The op's arguments for this call, and the state made for it (kept by `_commit`
         once the call succeeded)."""
         delayed = isinstance(recipe, DelayedScaling)
         call = _Call(args=None)
         if delayed:
-            call.state, call.new_state = self._delayed_state(recipe, x.device)
+            call.state, call.new_state = self._delayed_state(recipe, device)
             if repeated is not None:
                 call.replay = self._forward_scales(repeated)
             call.amax_group = _parallel.amax_group_for(self.tp_group, config.sequence_parallel,
@@ -445,7 +464,7 @@ class Linear(nn.Linear):
         debug = _debug.options_for(self)
         call.args = _CallArgs(
             *_scaling.recipe_codes(recipe), cache_mode, debug or (),
-            grad and (x.requires_grad or self._prologue_needs_grad()),
+            grad and (input_needs_grad or self._prologue_needs_grad()),
             grad and param.requires_grad, bool(is_first_microbatch),
             recipe is None or config.save_original_input or bool(debug),
             # State made inside a compiled graph cannot be written by its backward: the first
@@ -619,6 +638,21 @@ class _Call:
     new_cache: bool = False
     main_grad: Optional[torch.Tensor] = None
     new_main_grad: Optional[torch.Tensor] = None
+    # Set by `Linear._begin`: the input in the GEMMs' dtype, the op's arguments after it, the
+    # bias returned beside y (return_bias), and what `_end` needs.
+    x: Optional[torch.Tensor] = None
+    op_args: tuple = ()
+    bias_out: Optional[torch.Tensor] = None
+    frame: Optional[dict] = None
+    checkpoints: Optional[object] = None
+    recompute: bool = False
+    vet: bool = False
+
+    def gives_grad(self) -> bool:
+        """Whether the op's output will be differentiated (its input or a parameter needs it)."""
+        return self.args.need_dgrad or self.args.need_wgrad or (
+            torch.is_grad_enabled() and self.op_args[1] is not None
+            and self.op_args[1].requires_grad)
 
 
 def _moved(fn, t: torch.Tensor) -> torch.Tensor:
