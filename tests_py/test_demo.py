@@ -120,7 +120,15 @@ def test_demo_help():
     assert "4096 on a GPU" in out
 
 
-def test_fused_copy_computes_what_the_model_computes(tmp_path):
+@pytest.fixture(scope="module")
+def single_rank_fused(tmp_path_factory):
+    """The --fused demo's two runs (20 steps) on one CPU rank."""
+    out = tmp_path_factory.mktemp("demo_fused")
+    return demo.run(tiny_args("--fused", "--steps", "20", "--tp", "1", "--out", str(out)), None,
+                    torch.device("cpu"))
+
+
+def test_fused_copy_computes_what_the_model_computes(single_rank_fused):
     """--fused: the same weights in RMSNormLinear / LayerNormMLP (gate_up regrouped): the
     same function in high precision (up to the norms' rounding), and it trains in FP8."""
     model = demo.build_model(tiny_args(), None, torch.device("cpu"))
@@ -129,10 +137,23 @@ def test_fused_copy_computes_what_the_model_computes(tmp_path):
     assert isinstance(fused.layers[0].mlp, tpfp8.LayerNormMLP)
     tokens = torch.randint(0, 256, (32, 4))
     torch.testing.assert_close(fused(tokens), model(tokens), rtol=1e-4, atol=1e-5)
-    args = tiny_args("--fused", "--out", "unused")
-    assert args.tp == 1
-    with pytest.raises(SystemExit, match="one device"):
-        tiny_args("--fused", "--tp", "2")
-    summary = demo.run(tiny_args("--fused", "--steps", "20", "--out", str(tmp_path)), None,
-                       torch.device("cpu"))
+    summary = single_rank_fused
     assert abs(summary["gap"]) < 0.05 and summary["fp8_linears_with_state"] == 8
+
+
+def test_fused_tensor_parallel_run_matches_single_rank(single_rank_fused, tmp_path):
+    """--fused --tp 2: qkv's norm on each rank's rows then column-parallel, the MLP column
+    fc1 -> row fc2, sequence parallel; the norm weights' gradients summed inside backward (the
+    demo does not reduce them again): the single-rank run's losses."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [package_root(), os.environ.get("PYTHONPATH", "")]), CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "tpfp8.demo", *TINY, "--fused", "--steps", "20", "--tp", "2",
+           "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    result = json.loads((tmp_path / "demo.json").read_text())
+    reference = single_rank_fused
+    assert result["hp_losses"] == pytest.approx(reference["hp_losses"], rel=1e-5)
+    assert result["fp8_losses"] == pytest.approx(reference["fp8_losses"], rel=1e-3)
+    assert result["fp8_linears_with_state"] == 8

@@ -77,7 +77,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="weights and batches (default: 0)")
     p.add_argument("--fused", action="store_true",
                    help="FP8 run with tpfp8's fused modules (RMSNormLinear for norm + qkv, "
-                        "LayerNormMLP for norm + SwiGLU MLP); one device (--tp 1)")
+                        "LayerNormMLP for norm + SwiGLU MLP), split as the Linears under --tp")
     p.add_argument("--debug-config", default=None,
                    help="tpfp8.debug rules (JSON/YAML path) applied to the FP8 run")
     p.add_argument("--out", default="demo_out",
@@ -91,9 +91,7 @@ def resolve(args, cuda: bool):
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.tp is None:
-        args.tp = 1 if args.fused else 2 if cuda and torch.cuda.device_count() >= 2 else 1
-    if args.fused and args.tp != 1:
-        raise SystemExit("--fused runs on one device: use --tp 1")
+        args.tp = 2 if cuda and torch.cuda.device_count() >= 2 else 1
     per_rank = 16 * args.tp  # FP8 GEMMs need feature sizes (per rank) that are multiples of 16
     for what, value, divisor in (("--hidden", args.hidden, per_rank),
                                  ("--ffn", args.ffn, per_rank),
@@ -244,15 +242,22 @@ def fp8_copy(model: nn.Module) -> nn.Module:
 def fused_copy(model: nn.Module) -> nn.Module:
     """fp8_copy with tpfp8's fused modules: each layer's attention norm and qkv become one
     RMSNormLinear, its MLP norm and MLP one LayerNormMLP (SwiGLU: gate_up's alternating gate,
-    up rows regrouped as [gate | up]); the same weights. One device."""
+    up rows regrouped as [gate | up]); the same weights. Under tensor parallelism each rank
+    regroups its own rows (its slice of gate_up alternates gate, up too): qkv column-parallel,
+    the MLP column fc1 -> row fc2, sequence parallel, as the model's Linears."""
     fused = fp8_copy(model)
     for layer in fused.layers:
         norm, qkv = layer.attn_norm, layer.attn.qkv
         kw = {"device": qkv.weight.device, "dtype": qkv.weight.dtype, "bias": False}
-        new_qkv = tpfp8.RMSNormLinear(qkv.in_features, qkv.out_features, eps=_eps(norm), **kw)
-        mlp = tpfp8.LayerNormMLP(layer.mlp.gate_up.in_features, layer.mlp.down.in_features,
+        tp = {"tp_group": qkv.tp_group, "sequence_parallel": qkv.sequence_parallel}
+        split = qkv.parallel_mode is not None
+        new_qkv = tpfp8.RMSNormLinear(
+            qkv.in_features, qkv.out_features, eps=_eps(norm),
+            parallel_mode=qkv.parallel_mode, **tp, **kw)
+        mlp = tpfp8.LayerNormMLP(layer.mlp.gate_up.in_features,
+                                 layer.mlp.down.in_features,
                                  eps=_eps(layer.mlp_norm), normalization="RMSNorm",
-                                 activation="swiglu", **kw)
+                                 activation="swiglu", set_parallel_mode=split, **tp, **kw)
         with torch.no_grad():
             new_qkv.weight.copy_(qkv.weight)
             new_qkv.layer_norm_weight.copy_(norm.weight)
@@ -286,6 +291,15 @@ def step_loss(model, inputs, targets, group) -> torch.Tensor:
     logits = model(tokens, group_rank(group) * len(tokens))
     loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
     return loss / targets.numel()
+
+
+def reduced_inside(model) -> set:
+    """The replicated parameters whose gradients the modules sum over the group themselves:
+    the norm weights of fused modules under sequence parallelism (each rank normalized its
+    rows; backward all-reduces their gradients)."""
+    return {p for m in model.modules()
+            if isinstance(m, tpfp8.LayerNormLinear) and m.sequence_parallel
+            for p in (m.layer_norm_weight, m.layer_norm_bias) if p is not None}
 
 
 def tp_sharded(model) -> set:
@@ -344,7 +358,8 @@ def train(model, data, args, fp8: bool, group, label: str):
                             fused=device.type == "cuda")
     recipe = tpfp8.DelayedScaling() if args.recipe == "delayed" else tpfp8.CurrentScaling()
     sharded = tp_sharded(model)
-    replicated = [p for p in model.parameters() if p not in sharded]
+    summed = reduced_inside(model)
+    replicated = [p for p in model.parameters() if p not in sharded and p not in summed]
     untimed = max(1, args.steps // 10)  # GEMM plans, allocator: not the steady state
     bar = Progress(args.steps, label, group_rank(group) == 0)
     losses, start = [], None
