@@ -62,6 +62,10 @@ struct Config {
   int64_t prologue = 0;  // (a fused module's norm or activation, prologue.h)
   double prologue_eps = 0.0;
   bool keep_prologue_output = false;
+  Prologue prologue_kind() const { return static_cast<Prologue>(prologue); }
+  bool norm() const {
+    return prologue_kind() == Prologue::kLayerNorm || prologue_kind() == Prologue::kRMSNorm;
+  }
 };
 
 // A layer's differentiable tensors.
@@ -227,9 +231,9 @@ BackwardOutputs layer_backward(const at::Tensor& dy, const variable_list& saved,
       c.save_original_input, c.parallel_mode, c.sequence_parallel, c.group_name, c.debug, s.x_shape,
       s.x_dtype, s.need_db ? s.bias_dtype : std::nullopt, s.need_dgrad(), s.need_wgrad(),
       at(kPrologueInput), at(kPrologueWeightSaved), s.prologue_bias,
-      at(kMean, c.prologue == static_cast<int64_t>(Prologue::kLayerNorm)),
-      at(kRstd, prologue_args(c.prologue, {}, {}, 0.0).norm()), c.prologue, output_grad, h.scale,
-      h.grad_amax_history, h.rowwise, h.columnwise, h.dy_rowwise, h.dy_columnwise, h.dy_scale_inv);
+      at(kMean, c.prologue_kind() == Prologue::kLayerNorm), at(kRstd, c.norm()), c.prologue,
+      output_grad, h.scale, h.grad_amax_history, h.rowwise, h.columnwise, h.dy_rowwise,
+      h.dy_columnwise, h.dy_scale_inv);
 }
 
 // A layer's gradients into `out`, at the positions of its differentiable inputs (x, weight,
@@ -312,11 +316,14 @@ variable_list LinearAutograd::differentiable_backward(const at::Tensor& dy,
 
 // Whether fc2 can hand fc1 its gradient in FP8 (GradHandoff): FP8 without debugging (which
 // needs the high-precision values), an activation between them, and no bias gradient for fc1
-// (the handoff's pass makes no column sums).
+// (the handoff's pass makes no column sums); not to a row-parallel fc1 with sequence
+// parallelism, which gathers its gradient in its own cast.
 bool hands_off(const Saved& fc1, const Saved& fc2) {
   const Config& c = fc2.c;
-  return c.scaling != 0 && c.debug.empty() && !prologue_args(c.prologue, {}, {}, 0.0).norm() &&
-         c.prologue != 0 && !fc1.need_db && fc2.need_dx;
+  const bool fc1_gathers =
+      fc1.c.parallel_mode == static_cast<int64_t>(ParallelMode::kRow) && fc1.c.sequence_parallel;
+  return c.scaling != 0 && c.debug.empty() && !c.norm() && c.prologue != 0 && !fc1.need_db &&
+         fc2.need_dx && !fc1_gathers;
 }
 
 struct MlpAutograd : torch::autograd::Function<MlpAutograd> {
