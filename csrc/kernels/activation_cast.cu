@@ -316,6 +316,10 @@ int blocks_per_sm(Kernel kernel, int smem, int smem_max, int* cache) {
   if (dev < 0 || dev >= 64) dev = 0;
   if (cache[dev] == 0) {
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max);
+    // Stages and tiles, not L1, hold what a block reuses: ask for the largest carveout so the
+    // resident blocks counted here are the ones that run.
+    cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                         cudaSharedmemCarveoutMaxShared);
     int n = 0;
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem);
     cache[dev] = std::max(n, 1);  // a race only stores the same value twice
