@@ -379,5 +379,20 @@ TEST(ActivationCastCuda, MatchesCpuInTheOtherFormatAndOnLargeTensors) {
 #endif
 }
 
+// More tiles (768) than resident blocks, so each block walks several with its input copies
+// running ahead across them, forwards (delayed) and backwards (current scaling's cast pass).
+TEST(ActivationCastCuda, MatchesCpuWhenBlocksWalkSeveralTiles) {
+  TPFP8_REQUIRE_GPU();
+#if defined(TPFP8_WITH_CUDA)
+  for (const bool backward : {false, true}) {
+    for (const std::optional<float> current : {std::optional<float>{}, {1e-6f}}) {
+      Case c{Activation::kSwiGLU, backward, 6144, 2048, Fp8Format::kE4M3};
+      c.current = current;
+      expect_gpu_matches_cpu<bf16_t>(c, 9);
+    }
+  }
+#endif
+}
+
 }  // namespace
 }  // namespace tpfp8

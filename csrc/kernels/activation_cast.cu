@@ -2,22 +2,24 @@
 // [rows, n]; each block loops over tiles.
 //
 // A tile: each thread takes 8 row segments of 8 columns (a warp: 2 rows x 128 columns, so
-// every global access covers whole 128-byte lines), one at a time: it loads a segment's inputs
-// (16-byte loads), computes the activation in fp32, and writes the high-precision output, the
-// row-wise FP8 bytes, and the bytes into a shared FP8 tile that is then stored column-wise
-// (fp8_tile.cuh). SwiGLU's backward makes two output tiles per tile, columns k and n + k of dx.
-// The shared tile exists only when column-wise output is asked for (dynamic shared memory):
-// the high-precision-only and amax-only passes neither allocate nor touch it.
+// every global access covers whole 128-byte lines), one at a time: it computes a segment's
+// activation in fp32 from its inputs and writes the high-precision output, the row-wise FP8
+// bytes, and the bytes into a shared FP8 tile that is then stored column-wise (fp8_tile.cuh).
+// SwiGLU's backward makes two output tiles per tile, columns k and n + k of dx. The shared
+// tile exists only when column-wise output is asked for (dynamic shared memory): the
+// high-precision-only and amax-only passes neither allocate nor touch it.
 //
 // The inputs are read once and the activation is never written in high precision unless
-// asked for. The exact math (exp and erf from correctly rounded operations, no FMA) costs
-// 55-100 instructions an element, which ptxas issues one element after the other: a thread's
-// latency is hidden by the other warps, not by loads or elements in flight. So a thread holds
-// one segment at a time and the register budget is what keeps many warps resident: 48
-// registers (5 blocks of 256, 62.5 % occupancy), 64 for SwiGLU's backward (3 inputs and 2
-// outputs an element; 4 blocks, 50 %). Batches of segments loaded ahead took 90-128 registers
-// (2 blocks, 25 %): SwiGLU's backward ran at a fifth of the memory bandwidth. (Explicit,
-// correctly rounded FMAs in activation_math.h would halve the polynomials.)
+// asked for. The exact math (exp and erf from correctly rounded operations) costs 55-100
+// instructions an element, which ptxas issues one element after the other, so a thread holds
+// one segment at a time and the register budget keeps many warps resident: 48 registers (5
+// blocks of 256, 62.5 % occupancy), 80 for SwiGLU's backward (3 inputs and 2 outputs an
+// element; 3 blocks, 37.5 %, which its shared memory allows anyway). Batches of segments loaded
+// ahead into registers took 90-128 registers (2 blocks): SwiGLU's backward ran at a fifth of
+// the memory bandwidth. Instead a thread copies the inputs of its next two segments into its
+// own shared stages (cp.async, no registers held) while it computes the current one, also
+// across tiles and through the column-wise stores: with one segment's loads in flight per
+// thread only while it waited on them, SwiGLU ran at ~2 TB/s.
 //
 // Shapes that break vector alignment (n % 8 != 0, misaligned pointers) load and store element
 // by element; rows % 16 != 0 only makes the column-wise stores bytewise.
@@ -38,11 +40,13 @@ constexpr int kSegmentsPerRow = kFp8Tile / 8;             // 16 segments of 8 co
 constexpr int kRowsPerPass = kThreads / kSegmentsPerRow;  // 16
 constexpr int kPasses = kFp8Tile / kRowsPerPass;          // 8
 constexpr int kTileBytes = kFp8Tile * kFp8Tile;           // one FP8 output tile in shared memory
+constexpr int kStages = 3;  // input stages of a thread: the segment it computes, two in flight
 
 // Resident blocks per SM the register budget must allow (see the top of the file); ptxas
-// fits each instance without spilling.
+// fits each instance without spilling. SwiGLU's backward, 16-bit, with column-wise output takes
+// 68 KiB of shared memory (32 tiles, 36 stages): 3 blocks.
 template <Activation A, bool kBackward>
-constexpr int kMinBlocks = A == Activation::kSwiGLU && kBackward ? 4 : 5;
+constexpr int kMinBlocks = A == Activation::kSwiGLU && kBackward ? 3 : 5;
 
 template <typename T>
 struct Args {
@@ -54,13 +58,11 @@ struct Args {
   T* out;
 };
 
-// Eight elements from p (columns k .. k+7 of a row): one vector load, or where `vec` is off
-// only the first `valid` of them; zeros past the edge.
+// The first `valid` of eight elements from p (columns k .. k+7 of a row), element by element
+// (unaligned inputs); zeros past the edge.
 template <typename T>
-__device__ __forceinline__ Pack8<T> load8(const T* p, bool vec, int valid) {
+__device__ __forceinline__ Pack8<T> load8(const T* p, int valid) {
   Pack8<T> r{};
-  if (valid <= 0) return r;
-  if (vec) return *reinterpret_cast<const Pack8<T>*>(p);
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     if (j < valid) r.v[j] = p[j];
@@ -115,6 +117,91 @@ __device__ __forceinline__ void put_segment(const Args<T>& a, const float* y, in
   }
 }
 
+// A thread's place in its walk: the tile `item` of the block's (blockIdx.x, + gridDim.x, ...)
+// and the pass of it, and where that puts its segment.
+struct Place {
+  int item, pass;
+  int64_t m0, k0;  // the tile's first row and column
+  int64_t m, k;    // the segment: row m, columns k .. k+7
+  int valid;       // columns inside; 0 past the last tile or row
+};
+
+struct Walk {
+  int64_t rows, n;
+  int tiles_k, num_tiles, row0, seg;
+  bool reverse;
+
+  __device__ Place at(int item, int pass) const {
+    Place p{item, pass};
+    // The cast pass after current scaling's amax pass goes backwards: it starts on what the
+    // amax pass read last, which L2 still holds.
+    const int tile = reverse ? num_tiles - 1 - item : item;
+    p.m0 = int64_t{tile / tiles_k} * kFp8Tile;
+    p.k0 = int64_t{tile % tiles_k} * kFp8Tile;
+    p.m = p.m0 + row0 + pass * kRowsPerPass;
+    p.k = p.k0 + seg * 8;
+    p.valid = item < num_tiles && p.m < rows ? static_cast<int>(std::min<int64_t>(8, n - p.k)) : 0;
+    return p;
+  }
+  __device__ Place next(Place p) const {
+    if (p.pass + 1 == kPasses) return at(p.item + static_cast<int>(gridDim.x), 0);
+    ++p.pass;
+    p.m += kRowsPerPass;
+    if (p.m >= rows) p.valid = 0;
+    return p;
+  }
+};
+
+// A segment's inputs in a thread's own slot of the shared stage: [input][16-byte piece][thread],
+// so copies and reads of a warp cover whole consecutive lines (no bank conflicts), and only the
+// thread that copied a slot reads it (no barrier).
+template <typename T, int kInputs>
+struct Stage {
+  static constexpr int kPieces = static_cast<int>(sizeof(Pack8<T>)) / 16;
+  static constexpr int kBytes = kInputs * kPieces * kThreads * 16;
+  uint4* slot;
+
+  __device__ void copy(const T* const (&src)[kInputs]) const {
+#pragma unroll
+    for (int i = 0; i < kInputs; ++i) {
+#pragma unroll
+      for (int q = 0; q < kPieces; ++q) {
+        uint4* dst = slot + (i * kPieces + q) * kThreads + threadIdx.x;
+        const uint4* from = reinterpret_cast<const uint4*>(src[i]) + q;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
+                         static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+                     "l"(from)
+                     : "memory");
+#else
+        *dst = *from;
+#endif
+      }
+    }
+  }
+  __device__ Pack8<T> read(int i) const {
+    Pack8<T> r;
+#pragma unroll
+    for (int q = 0; q < kPieces; ++q) {
+      reinterpret_cast<uint4*>(&r)[q] = slot[(i * kPieces + q) * kThreads + threadIdx.x];
+    }
+    return r;
+  }
+};
+
+__device__ __forceinline__ void commit_copies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+// Waits until at most N of the thread's copy groups are in flight.
+template <int N>
+__device__ __forceinline__ void wait_copies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
 template <Activation A, bool kBackward, Fp8Format F, typename T>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<A, kBackward>)
     activation_cast_kernel(Args<T> a, ScaleSource scale_src, float* amax, float* scale_inv,
@@ -123,37 +210,65 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<A, kBackward>)
   constexpr int kOutTiles = kSwiGLU && kBackward ? 2 : 1;
   constexpr int kInputs = 1 + kSwiGLU + kBackward;  // x0, x1 (SwiGLU), dy (backward)
   constexpr int kTileWords = kTileBytes / 4;
-  // kOutTiles tiles with column-wise output, else none; 16-byte aligned: rows are written as
-  // 8-byte words.
+  using StageT = Stage<T, kInputs>;
+  // kOutTiles FP8 tiles with column-wise output (else none; 16-byte aligned: rows are written
+  // as 8-byte words), then kStages input stages when `vec`.
   extern __shared__ __align__(16) uint32_t tiles[];
+  uint4* const stages =
+      reinterpret_cast<uint4*>(tiles + (a.columnwise ? kOutTiles * kTileWords : 0));
+  const auto stage = [&](int s) { return StageT{stages + s * (StageT::kBytes / 16)}; };
+  // Where the segment at p reads its inputs.
+  const auto sources = [&](const Place& p, const T*(&src)[kInputs]) {
+    src[0] = a.x + p.m * a.in_cols + p.k;
+    if constexpr (kSwiGLU) src[1] = src[0] + a.n;
+    if constexpr (kBackward) src[kInputs - 1] = a.dy + p.m * a.n + p.k;
+  };
+  const auto copy_ahead = [&](const Place& p, int s) {
+    const T* src[kInputs];
+    sources(p, src);
+    if (p.valid > 0) stage(s).copy(src);
+    commit_copies();
+  };
 
   const float scale = scale_src.resolve(F);
-  const int seg = threadIdx.x % kSegmentsPerRow, row0 = threadIdx.x / kSegmentsPerRow;
   const int tiles_k = static_cast<int>((a.n + kFp8Tile - 1) / kFp8Tile);
-  const int num_tiles = tiles_k * static_cast<int>((a.rows + kFp8Tile - 1) / kFp8Tile);
+  const Walk walk{a.rows,
+                  a.n,
+                  tiles_k,
+                  tiles_k * static_cast<int>((a.rows + kFp8Tile - 1) / kFp8Tile),
+                  static_cast<int>(threadIdx.x) / kSegmentsPerRow,
+                  static_cast<int>(threadIdx.x) % kSegmentsPerRow,
+                  reverse};
+  // Aligned inputs are copied kStages - 1 segments ahead (cp.async: no registers held), so a
+  // thread's next loads are in flight while it computes; the others load when needed.
+  Place ahead = walk.at(blockIdx.x, 0);
+  int slot = 0;  // the stage of the current segment
+  if (vec) {
+#pragma unroll
+    for (int s = 0; s + 1 < kStages; ++s) {
+      copy_ahead(ahead, s);
+      ahead = walk.next(ahead);
+    }
+  }
   uint32_t local_amax = 0;
 #pragma unroll 1
-  for (int item = blockIdx.x; item < num_tiles; item += gridDim.x) {
-    // The cast pass after current scaling's amax pass goes backwards: it starts on what the
-    // amax pass read last, which L2 still holds.
-    const int tile = reverse ? num_tiles - 1 - item : item;
-    const int64_t m0 = int64_t{tile / tiles_k} * kFp8Tile;
-    const int64_t k0 = int64_t{tile % tiles_k} * kFp8Tile;
-    const int64_t k = k0 + seg * 8;
-    const int valid = static_cast<int>(std::min<int64_t>(8, a.n - k));  // columns inside
-    // Not unrolled: one segment's inputs and results live at a time (the register budget).
-#pragma unroll 1
-    for (int p = 0; p < kPasses; ++p) {
-      const int r = row0 + p * kRowsPerPass;
-      const int64_t m = m0 + r;
-      // Segments past the edge would compute 0, which leaves the max alone; their rows of
-      // the shared tile keep stale bytes, which are never stored.
-      if (m >= a.rows || valid <= 0) break;
+  for (Place cur = walk.at(blockIdx.x, 0); cur.item < walk.num_tiles;) {
+    if (vec) {
+      // Into the stage read one segment ago (its reads are done: their values were used).
+      copy_ahead(ahead, slot == 0 ? kStages - 1 : slot - 1);
+      ahead = walk.next(ahead);
+      wait_copies<kStages - 1>();
+    }
+    // Segments past the edge would compute 0, which leaves the max alone; their rows of the
+    // shared tile keep stale bytes, which are never stored.
+    if (cur.valid > 0) {
       Pack8<T> in[kInputs];
-      const T* xr = a.x + m * a.in_cols + k;
-      in[0] = load8(xr, vec, valid);
-      if constexpr (kSwiGLU) in[1] = load8(xr + a.n, vec, valid);
-      if constexpr (kBackward) in[kInputs - 1] = load8(a.dy + m * a.n + k, vec, valid);
+      const T* src[kInputs];
+      sources(cur, src);
+#pragma unroll
+      for (int i = 0; i < kInputs; ++i) {
+        in[i] = vec ? stage(slot).read(i) : load8(src[i], cur.valid);
+      }
       float y0[8], y1[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -166,35 +281,45 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<A, kBackward>)
         local_amax = max(local_amax, abs_bits(y0[j]));
         if (kOutTiles == 2) local_amax = max(local_amax, abs_bits(y1[j]));
       }
-      put_segment<T, F>(a, y0, m, k, valid, r, seg, scale, vec, tiles);
+      const int r = walk.row0 + cur.pass * kRowsPerPass;
+      put_segment<T, F>(a, y0, cur.m, cur.k, cur.valid, r, walk.seg, scale, vec, tiles);
       if constexpr (kOutTiles == 2) {
-        put_segment<T, F>(a, y1, m, a.n + k, valid, r, seg, scale, vec, tiles + kTileWords);
+        put_segment<T, F>(a, y1, cur.m, a.n + cur.k, cur.valid, r, walk.seg, scale, vec,
+                          tiles + kTileWords);
       }
     }
-    if (a.columnwise) {
+    slot = slot + 1 == kStages ? 0 : slot + 1;
+    if (cur.pass + 1 == kPasses && a.columnwise) {
       __syncthreads();  // the tiles written
-      const int64_t m_end = std::min(a.rows, m0 + kFp8Tile);
-      const int64_t cols = std::min<int64_t>(kFp8Tile, a.n - k0);
+      const int64_t m_end = std::min(a.rows, cur.m0 + kFp8Tile);
+      const int64_t cols = std::min<int64_t>(kFp8Tile, a.n - cur.k0);
 #pragma unroll
       for (int o = 0; o < kOutTiles; ++o) {
-        device::store_tile_columnwise(tiles + o * kTileWords, a.columnwise, a.rows, m0, m_end,
-                                      o * a.n + k0, cols, vec_col);
+        device::store_tile_columnwise(tiles + o * kTileWords, a.columnwise, a.rows, cur.m0, m_end,
+                                      o * a.n + cur.k0, cols, vec_col);
       }
       __syncthreads();  // read before the next tile overwrites them
     }
+    cur = walk.next(cur);
   }
+  if (vec) wait_copies<0>();  // none may land after the block's shared memory is reused
   if (amax) device::fold_block_amax(local_amax, amax);
   if (scale_inv && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = div_rn(1.0f, scale);
 }
 
-// Resident blocks per SM of a kernel instance with `smem` bytes of tiles (none, or all of them),
-// asked once per device.
+// Resident blocks per SM of a kernel instance with `smem` bytes of dynamic shared memory (one of
+// the 4 layouts: with / without tiles and stages), asked once per device.
 template <typename Kernel>
-int blocks_per_sm(Kernel kernel, int smem, int* cache) {
+int blocks_per_sm(Kernel kernel, int smem, int smem_max, int* cache) {
   int dev = 0;
   cudaGetDevice(&dev);
   if (dev < 0 || dev >= 64) dev = 0;
   if (cache[dev] == 0) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max);
+    // Stages and tiles, not L1, hold what a block reuses: ask for the largest carveout so the
+    // resident blocks counted here are the ones that run.
+    cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                         cudaSharedmemCarveoutMaxShared);
     int n = 0;
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem);
     cache[dev] = std::max(n, 1);  // a race only stores the same value twice
@@ -206,7 +331,9 @@ template <Activation A, bool kBackward, Fp8Format F, typename T>
 void launch(const ActivationCastParams& p, cudaStream_t stream) {
   const auto kernel = activation_cast_kernel<A, kBackward, F, T>;
   constexpr int kOutTiles = A == Activation::kSwiGLU && kBackward ? 2 : 1;
-  static int cache[2][64] = {};  // [with tiles][device]
+  constexpr int kInputs = 1 + (A == Activation::kSwiGLU) + kBackward;
+  constexpr int kStageBytes = kStages * Stage<T, kInputs>::kBytes;
+  static int cache[4][64] = {};  // [with tiles][with stages][device]
   Args<T> a{static_cast<const T*>(p.input),
             static_cast<const T*>(p.grad),
             p.rows,
@@ -220,12 +347,13 @@ void launch(const ActivationCastParams& p, cudaStream_t stream) {
   const bool vec = p.n % 8 == 0 && aligned(a.x, 16) && (!kBackward || aligned(a.dy, 16)) &&
                    aligned(a.out, 16) && aligned(a.rowwise, 8);
   const bool vec_col = p.rows % 16 == 0 && aligned(a.columnwise, 16);
-  // Only column-wise output goes through the shared tiles (at most 32 KiB: no opt-in needed).
+  // Column-wise output goes through the shared tiles, aligned inputs through the stages.
   const bool with_tiles = p.columnwise != nullptr;
-  const int smem = with_tiles ? kOutTiles * kTileBytes : 0;
+  const int smem = (with_tiles ? kOutTiles * kTileBytes : 0) + (vec ? kStageBytes : 0);
   const int64_t tiles = ((p.rows + kFp8Tile - 1) / kFp8Tile) * ((p.n + kFp8Tile - 1) / kFp8Tile);
-  const int64_t resident =
-      int64_t{current_sm_count()} * blocks_per_sm(kernel, smem, cache[with_tiles]);
+  const int64_t resident = int64_t{current_sm_count()} *
+                           blocks_per_sm(kernel, smem, kOutTiles * kTileBytes + kStageBytes,
+                                         cache[with_tiles * 2 + vec]);
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min(tiles, resident)));
   // Only the amax pass of current scaling writes no output.
   const bool amax_pass = !p.rowwise && !p.columnwise && !p.out;
