@@ -25,6 +25,7 @@ namespace {
 constexpr int kWarps = kNormLanes / 32;
 constexpr int kSumColumns = 32;  // columns per block of the band-sum kernel
 constexpr int kSumThreads = kSumColumns * kNormBwdGroups;
+constexpr int kSumBatch = 16;              // band rows a thread of it loads at once
 constexpr int64_t kAheadBytes = 96 << 10;  // x and dy an SM keeps asked of L2 ahead
 constexpr int64_t kMaxAhead = 8;
 
@@ -373,8 +374,19 @@ __global__ void __launch_bounds__(kSumThreads)
   const int64_t c = int64_t{blockIdx.x} * kSumColumns + lane;
   float sum = 0.0f;
   if (c < hidden) {
-#pragma unroll 4
-    for (int64_t b = group; b < bands; b += kNormBwdGroups) sum = add_rn(sum, src[b * hidden + c]);
+    // kSumBatch loads in flight before their in-order adds: latency, not bandwidth, bounds this.
+    for (int64_t b0 = group; b0 < bands; b0 += kSumBatch * kNormBwdGroups) {
+      float v[kSumBatch];
+#pragma unroll
+      for (int i = 0; i < kSumBatch; ++i) {
+        const int64_t b = b0 + int64_t{i} * kNormBwdGroups;
+        v[i] = b < bands ? src[b * hidden + c] : 0.0f;
+      }
+#pragma unroll
+      for (int i = 0; i < kSumBatch; ++i) {
+        if (b0 + int64_t{i} * kNormBwdGroups < bands) sum = add_rn(sum, v[i]);
+      }
+    }
   }
   group_sums[group][lane] = sum;
   __syncthreads();
