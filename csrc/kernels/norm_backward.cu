@@ -265,18 +265,19 @@ __device__ __forceinline__ void backward_row(const Args& a, int64_t r, const Row
 #pragma unroll
   for (int k = 0; k < kChunks; ++k) {
     if (!owns(k, h)) continue;
-    float gamma[8], dgamma[8], dbeta[8];
+    float gamma[8], dx[8], dgamma[8], dbeta[8];
     load_gamma8(p.gamma + column(k), a.vec_gamma, gamma);
-    Chunk<T> out;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const float dy = element(row.dy[k], j);
       const float xhat = norm_xhat(element(row.x[k], j), row.mean, row.rstd, n);
       const float g = mul_rn(dy, gamma[j]);
-      set_element(out, j, from_float<T>(norm_dx(g, xhat, row.rstd, mean_g, mean_gx, n)));
+      dx[j] = norm_dx(g, xhat, row.rstd, mean_g, mean_gx, n);
       dgamma[j] = mul_rn(dy, xhat);
       dbeta[j] = dy;
     }
+    Chunk<T> out;
+    device::round8<T>(dx, out.w);  // from_float<T> of each
     store_chunk(static_cast<T*>(p.dx) + r * h + column(k), out, a.vec);
     if (p.dgamma) sums.add(0, k, dgamma);
     if (p.dbeta) sums.add(1, k, dbeta);
