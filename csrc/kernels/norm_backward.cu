@@ -2,7 +2,9 @@
 //
 // A block of kNormLanes threads takes one band of rows, one row at a time, holding x and dy in
 // registers as 8-element vector loads (the row reduction order of norm_backward.h follows from
-// that layout); while it reduces and stores one row, the next row's loads are in flight. Each
+// that layout); while it reduces and stores one row, the next row's loads are in flight, and
+// one thread keeps the rows after it asked of L2 (bulk prefetch), so those loads meet L2: a
+// band is one block's serial work, and only ~2 blocks share an SM at 256 bands. Each
 // row needs one reduction (the sums of g and g * xhat, together), then dx is computed from the
 // registers. Each thread also adds its own columns' dgamma / dbeta terms over the band's rows,
 // in registers (hidden <= 4096) or in its own slots of shared memory (larger rows, which would
