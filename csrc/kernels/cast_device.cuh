@@ -74,6 +74,51 @@ __device__ __forceinline__ uint2 cast8(const Pack8<T>& in, float scale, uint32_t
   return make_uint2(encode4<F>(v), encode4<F>(v + 4));
 }
 
+// from_float<T> of eight values, in memory's word layout (16-bit T: two a word, the first in the
+// low half). Returns the words' packed magnitudes' max (16-bit T: a max per half), which a
+// caller may fold into an amax. 16-bit T: the hardware's round-to-nearest-even pair conversion
+// rounds every non-NaN value as to_bf16 / to_fp16 do (overflow to inf, subnormals kept) in a
+// fraction of the instructions; a chunk that made a NaN, rare, is redone by from_float for the
+// canonical NaN (the returned max still orders it above every other value).
+template <typename T>
+__device__ __forceinline__ uint32_t round8(const float (&f)[8], uint32_t (&y)[2 * sizeof(T)]) {
+  if constexpr (sizeof(T) == 4) {
+    uint32_t m = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      y[j] = float_bits(from_float<float>(f[j]));
+      m = max(m, y[j] & 0x7FFFFFFFu);
+    }
+    return m;
+  } else {
+    constexpr bool kBf16 = std::is_same_v<T, bf16_t>;
+    constexpr uint32_t kInf2 = kBf16 ? 0x7F807F80u : 0x7C007C00u;
+    auto software = [&] {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t lo = from_float<T>(f[2 * i]).bits, hi = from_float<T>(f[2 * i + 1]).bits;
+        y[i] = lo | hi << 16;
+      }
+    };
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (kBf16) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(y[i]) : "f"(f[2 * i + 1]), "f"(f[2 * i]));
+      } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(y[i]) : "f"(f[2 * i + 1]), "f"(f[2 * i]));
+      }
+    }
+#else
+    software();
+#endif
+    const uint32_t m = __vmaxu2(__vmaxu2(y[0] & 0x7FFF7FFFu, y[1] & 0x7FFF7FFFu),
+                                __vmaxu2(y[2] & 0x7FFF7FFFu, y[3] & 0x7FFF7FFFu));
+    if (__vmaxu2(m, kInf2) != kInf2) software();  // a magnitude above inf: a NaN
+    return m;
+  }
+}
+
 // Transposes a 4x4 byte block: w[r] holds row r, result t[c] holds column c.
 __device__ __forceinline__ void transpose4x4(const uint32_t w[4], uint32_t t[4]) {
   const uint32_t x0 = __byte_perm(w[0], w[1], 0x5140), x1 = __byte_perm(w[0], w[1], 0x7362);

@@ -2,7 +2,9 @@
 //
 // A block of kNormLanes threads takes one band of rows, one row at a time, holding x and dy in
 // registers as 8-element vector loads (the row reduction order of norm_backward.h follows from
-// that layout); while it reduces and stores one row, the next row's loads are in flight. Each
+// that layout); while it reduces and stores one row, the next row's loads are in flight, and
+// one thread keeps the rows after it asked of L2 (bulk prefetch), so those loads meet L2: a
+// band is one block's serial work, and only ~2 blocks share an SM at 256 bands. Each
 // row needs one reduction (the sums of g and g * xhat, together), then dx is computed from the
 // registers. Each thread also adds its own columns' dgamma / dbeta terms over the band's rows,
 // in registers (hidden <= 4096) or in its own slots of shared memory (larger rows, which would
@@ -25,6 +27,9 @@ namespace {
 constexpr int kWarps = kNormLanes / 32;
 constexpr int kSumColumns = 32;  // columns per block of the band-sum kernel
 constexpr int kSumThreads = kSumColumns * kNormBwdGroups;
+constexpr int kSumBatch = 16;              // band rows a thread of it loads at once
+constexpr int64_t kAheadBytes = 96 << 10;  // x and dy an SM keeps asked of L2 ahead
+constexpr int64_t kMaxAhead = 8;
 
 struct Args {
   NormBackwardParams p;
@@ -33,6 +38,7 @@ struct Args {
   bool vec;          // dy, x, dx 16-byte aligned: whole chunks as vector accesses
   bool vec_gamma;    // gamma 16-byte aligned
   bool vec_partial;  // partial 16-byte aligned
+  int ahead;         // rows past the next that a block keeps asked of L2 (0: none)
 };
 
 // Column sums held in registers (few chunks) or in shared memory (many): the lane's slots are
@@ -224,15 +230,74 @@ __device__ __forceinline__ float2 block_sum2(float2 s, float2 (*buf)[kWarps], in
   return total;
 }
 
+// Asks L2 for `bytes` at src (sm_90 bulk prefetch: no registers, nothing to wait for); src and
+// bytes are multiples of 16.
+__device__ __forceinline__ void prefetch_l2(const void* src, int64_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(__cvta_generic_to_global(src)),
+               "r"(static_cast<uint32_t>(bytes)));
+#endif
+}
+
+// Row r's dx from its x and dy in registers; adds its dgamma / dbeta terms to `sums`.
+template <typename T, int kChunks>
+__device__ __forceinline__ void backward_row(const Args& a, int64_t r, const Row<T, kChunks>& row,
+                                             ColumnSums<kChunks>& sums, float2 (*red)[kWarps],
+                                             int& parity) {
+  const NormBackwardParams& p = a.p;
+  const int64_t h = p.hidden;
+  const NormType n = p.norm;
+  float2 s = make_float2(0.0f, 0.0f);
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    if (!owns(k, h)) continue;
+    float gamma[8];
+    load_gamma8(p.gamma + column(k), a.vec_gamma, gamma);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float xhat = norm_xhat(element(row.x[k], j), row.mean, row.rstd, n);
+      const float g = mul_rn(element(row.dy[k], j), gamma[j]);
+      if (n == NormType::kLayerNorm) s.x = add_rn(s.x, g);
+      s.y = add_rn(s.y, mul_rn(g, xhat));
+    }
+  }
+  const float2 total = block_sum2(s, red, parity);
+  const float mean_g = div_rn(total.x, static_cast<float>(h));
+  const float mean_gx = div_rn(total.y, static_cast<float>(h));
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    if (!owns(k, h)) continue;
+    float gamma[8], dx[8], dgamma[8], dbeta[8];
+    load_gamma8(p.gamma + column(k), a.vec_gamma, gamma);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float dy = element(row.dy[k], j);
+      const float xhat = norm_xhat(element(row.x[k], j), row.mean, row.rstd, n);
+      const float g = mul_rn(dy, gamma[j]);
+      dx[j] = norm_dx(g, xhat, row.rstd, mean_g, mean_gx, n);
+      dgamma[j] = mul_rn(dy, xhat);
+      dbeta[j] = dy;
+    }
+    Chunk<T> out;
+    device::round8<T>(dx, out.w);  // from_float<T> of each
+    store_chunk(static_cast<T*>(p.dx) + r * h + column(k), out, a.vec);
+    if (p.dgamma) sums.add(0, k, dgamma);
+    if (p.dbeta) sums.add(1, k, dbeta);
+  }
+}
+
 // Registers of an instance: the row's words (x and dy, twice with the next row in flight), the
 // column sums (registers up to 2 chunks), the reduction's temporaries. Up to 16 words of a row
-// the instance fits 2 blocks per SM (~100-125 registers). fp32 rows of 8 chunks do not
-// prefetch: cur and next alone would take 128 registers (spills).
+// the instance fits 2 blocks per SM (128 registers), else 1 (255). The next row goes in flight
+// in registers where two rows and the column sums take at most half of them (fp32 rows of 2
+// chunks at 2 blocks, or 8 chunks, would spill); the others rely on L2 alone.
 template <typename T, int kChunks>
 struct Config {
   static constexpr int kRowWords = Chunk<T>::kWords * kChunks;
   static constexpr int kMinBlocks = kRowWords <= 16 ? 2 : 1;
-  static constexpr bool kPrefetch = kRowWords < 64;
+  static constexpr int kSumRegs =
+      ColumnSums<kChunks>::kShared ? 0 : 4 * ColumnSums<kChunks>::kSlots;
+  static constexpr bool kPrefetch = 2 * 2 * kRowWords + kSumRegs <= (kMinBlocks == 2 ? 64 : 128);
 };
 
 template <typename T, int kChunks>
@@ -243,7 +308,6 @@ __global__ void __launch_bounds__(kNormLanes, (Config<T, kChunks>::kMinBlocks))
   __shared__ float2 red[2][kWarps];
   const NormBackwardParams& p = a.p;
   const int64_t h = p.hidden;
-  const NormType n = p.norm;
   const int64_t band = blockIdx.x;
   const int64_t r0 = band * a.band_rows;
   const int64_t r1 = std::min(p.rows, r0 + a.band_rows);
@@ -255,52 +319,38 @@ __global__ void __launch_bounds__(kNormLanes, (Config<T, kChunks>::kMinBlocks))
     if (p.dgamma) sums.zero(0, k);
     if (p.dbeta) sums.zero(1, k);
   }
+  // HBM latency is hidden by L2, not registers: one thread asks L2 for the x and dy rows
+  // a.ahead past the one loaded into registers, so each row's loads meet L2.
+  const int64_t row_bytes = h * static_cast<int64_t>(sizeof(T));
+  auto ask_l2 = [&](int64_t r) {
+    if (threadIdx.x == 0 && r < r1) {
+      prefetch_l2(static_cast<const char*>(p.x) + r * row_bytes, row_bytes);
+      prefetch_l2(static_cast<const char*>(p.dy) + r * row_bytes, row_bytes);
+    }
+  };
+  for (int i = 1; i <= a.ahead; ++i) ask_l2(r0 + i);  // a.ahead == 0: no prefetch
   int parity = 0;
-  Row<T, kChunks> cur, next;
-  if (kPrefetch) load_row(a, r0, cur);
-  for (int64_t r = r0; r < r1; ++r) {
-    if (!kPrefetch) {
-      load_row(a, r, cur);
-    } else if (r + 1 < r1) {
-      load_row(a, r + 1, next);
+  if constexpr (kPrefetch) {
+    // Two register rows in turn (two rows a trip), so the row in flight is never copied: a
+    // copy would wait for its loads.
+    Row<T, kChunks> ra, rb;
+    auto step = [&](int64_t r, const Row<T, kChunks>& row, Row<T, kChunks>& next) {
+      if (a.ahead > 0) ask_l2(r + 1 + a.ahead);
+      if (r + 1 < r1) load_row(a, r + 1, next);
+      backward_row(a, r, row, sums, red, parity);
+    };
+    if (r0 < r1) load_row(a, r0, ra);
+    for (int64_t r = r0; r < r1; r += 2) {
+      step(r, ra, rb);
+      if (r + 1 < r1) step(r + 1, rb, ra);
     }
-    float2 s = make_float2(0.0f, 0.0f);
-#pragma unroll
-    for (int k = 0; k < kChunks; ++k) {
-      if (!owns(k, h)) continue;
-      float gamma[8];
-      load_gamma8(p.gamma + column(k), a.vec_gamma, gamma);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float xhat = norm_xhat(element(cur.x[k], j), cur.mean, cur.rstd, n);
-        const float g = mul_rn(element(cur.dy[k], j), gamma[j]);
-        if (n == NormType::kLayerNorm) s.x = add_rn(s.x, g);
-        s.y = add_rn(s.y, mul_rn(g, xhat));
-      }
+  } else {
+    for (int64_t r = r0; r < r1; ++r) {
+      if (a.ahead > 0) ask_l2(r + 1 + a.ahead);
+      Row<T, kChunks> row;
+      load_row(a, r, row);
+      backward_row(a, r, row, sums, red, parity);
     }
-    const float2 total = block_sum2(s, red, parity);
-    const float mean_g = div_rn(total.x, static_cast<float>(h));
-    const float mean_gx = div_rn(total.y, static_cast<float>(h));
-#pragma unroll
-    for (int k = 0; k < kChunks; ++k) {
-      if (!owns(k, h)) continue;
-      float gamma[8], dgamma[8], dbeta[8];
-      load_gamma8(p.gamma + column(k), a.vec_gamma, gamma);
-      Chunk<T> out;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float dy = element(cur.dy[k], j);
-        const float xhat = norm_xhat(element(cur.x[k], j), cur.mean, cur.rstd, n);
-        const float g = mul_rn(dy, gamma[j]);
-        set_element(out, j, from_float<T>(norm_dx(g, xhat, cur.rstd, mean_g, mean_gx, n)));
-        dgamma[j] = mul_rn(dy, xhat);
-        dbeta[j] = dy;
-      }
-      store_chunk(static_cast<T*>(p.dx) + r * h + column(k), out, a.vec);
-      if (p.dgamma) sums.add(0, k, dgamma);
-      if (p.dbeta) sums.add(1, k, dbeta);
-    }
-    if (kPrefetch) cur = next;
   }
 #pragma unroll
   for (int k = 0; k < kChunks; ++k) {
@@ -327,8 +377,19 @@ __global__ void __launch_bounds__(kSumThreads)
   const int64_t c = int64_t{blockIdx.x} * kSumColumns + lane;
   float sum = 0.0f;
   if (c < hidden) {
-#pragma unroll 4
-    for (int64_t b = group; b < bands; b += kNormBwdGroups) sum = add_rn(sum, src[b * hidden + c]);
+    // kSumBatch loads in flight before their in-order adds: latency, not bandwidth, bounds this.
+    for (int64_t b0 = group; b0 < bands; b0 += kSumBatch * kNormBwdGroups) {
+      float v[kSumBatch];
+#pragma unroll
+      for (int i = 0; i < kSumBatch; ++i) {
+        const int64_t b = b0 + int64_t{i} * kNormBwdGroups;
+        v[i] = b < bands ? src[b * hidden + c] : 0.0f;
+      }
+#pragma unroll
+      for (int i = 0; i < kSumBatch; ++i) {
+        if (b0 + int64_t{i} * kNormBwdGroups < bands) sum = add_rn(sum, v[i]);
+      }
+    }
   }
   group_sums[group][lane] = sum;
   __syncthreads();
@@ -340,8 +401,17 @@ __global__ void __launch_bounds__(kSumThreads)
 }
 
 template <typename T, int kChunks>
-void launch(const Args& a, cudaStream_t stream) {
+void launch(Args a, cudaStream_t stream) {
   const auto kernel = norm_backward_kernel<T, kChunks>;
+  // Rows asked of L2 ahead: about kAheadBytes of x and dy per SM, over the blocks an SM holds
+  // (HBM's bandwidth times its latency, over the SMs, with a margin).
+  const int64_t sm_count = std::max(1, current_sm_count());
+  const int64_t blocks_per_sm =
+      std::min<int64_t>(Config<T, kChunks>::kMinBlocks, (a.bands + sm_count - 1) / sm_count);
+  const int64_t rows_bytes = 2 * a.p.hidden * static_cast<int64_t>(sizeof(T));
+  a.ahead = a.vec ? static_cast<int>(std::clamp<int64_t>(kAheadBytes / (blocks_per_sm * rows_bytes),
+                                                         1, kMaxAhead))
+                  : 0;
   const int smem = ColumnSums<kChunks>::smem_bytes(a.p);
   if (smem > (48 << 10)) {            // above the default: opt in, once per device and instance
     static bool configured[64] = {};  // a race only makes two threads set the same value

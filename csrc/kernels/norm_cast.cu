@@ -215,48 +215,14 @@ __device__ __forceinline__ void load8(const float* src, float (&dst)[8]) {
   dst[4] = hi.x, dst[5] = hi.y, dst[6] = hi.z, dst[7] = hi.w;
 }
 
-// y = from_float<T>(f) elementwise, in Row's word layout; folds max |y| into `amax`.
-// 16-bit T: the hardware's round-to-nearest-even pair conversion rounds every non-NaN value as
-// to_bf16 / to_fp16 do (overflow to inf, subnormals kept) in a fraction of the instructions; a
-// chunk that made a NaN, rare, is redone by from_float for the canonical NaN. The amax is kept
-// as |y|'s own bits, two 16-bit magnitudes a max: T's rounding leaves one NaN, above every other
-// value, so these bits order values as abs_bits(load_float(y)) does (amax_bits converts).
+// y = from_float<T>(f) elementwise, in Row's word layout; folds max |y| into `amax`, kept as
+// |y|'s own bits (16-bit T: two magnitudes a max). T's rounding leaves one NaN, above every
+// other value, so these bits order values as abs_bits(load_float(y)) does (amax_bits converts).
 template <typename T>
 __device__ __forceinline__ void round_chunk(const float (&f)[8], uint32_t (&y)[2 * sizeof(T)],
                                             uint32_t& amax) {
-  if constexpr (sizeof(T) == 4) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      y[j] = float_bits(from_float<float>(f[j]));
-      amax = max(amax, y[j] & 0x7FFFFFFFu);  // from_float made any NaN the canonical one
-    }
-  } else {
-    constexpr bool kBf16 = std::is_same_v<T, bf16_t>;
-    constexpr uint32_t kInf2 = kBf16 ? 0x7F807F80u : 0x7C007C00u;
-    auto software = [&] {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint32_t lo = from_float<T>(f[2 * i]).bits, hi = from_float<T>(f[2 * i + 1]).bits;
-        y[i] = lo | hi << 16;
-      }
-    };
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if constexpr (kBf16) {
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(y[i]) : "f"(f[2 * i + 1]), "f"(f[2 * i]));
-      } else {
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(y[i]) : "f"(f[2 * i + 1]), "f"(f[2 * i]));
-      }
-    }
-#else
-    software();
-#endif
-    const uint32_t m = __vmaxu2(__vmaxu2(y[0] & 0x7FFF7FFFu, y[1] & 0x7FFF7FFFu),
-                                __vmaxu2(y[2] & 0x7FFF7FFFu, y[3] & 0x7FFF7FFFu));
-    amax = __vmaxu2(amax, m);
-    if (__vmaxu2(m, kInf2) != kInf2) software();  // a magnitude above inf: a NaN
-  }
+  const uint32_t m = device::round8<T>(f, y);
+  amax = sizeof(T) == 4 ? max(amax, m) : __vmaxu2(amax, m);
 }
 // round_chunk's amax accumulator as abs_bits of the largest |y|.
 template <typename T>
