@@ -336,9 +336,10 @@ def test_meta_device_gives_shapes():
 
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("use_reentrant", [False, True])
-def test_activation_checkpoint_equals_plain_step(recipe, use_reentrant):
+@pytest.mark.parametrize("bias", [True, False])
+def test_activation_checkpoint_equals_plain_step(recipe, use_reentrant, bias):
     torch.manual_seed(0)
-    mlp = tpfp8.LayerNormMLP(32, 64, activation="gelu")
+    mlp = tpfp8.LayerNormMLP(32, 64, activation="gelu", bias=bias)
     twin = copy.deepcopy(mlp)
     x = torch.randn(16, 32)
     for i in range(2):
@@ -350,11 +351,14 @@ def test_activation_checkpoint_equals_plain_step(recipe, use_reentrant):
 
 
 class FusedBlock(nn.Module):
-    def __init__(self, device, **kw):
+    """RMSNormLinear then LayerNormMLP (SwiGLU); without the MLP's biases its backward hands
+    fc1 an FP8 gradient."""
+
+    def __init__(self, device, mlp_bias=True, **kw):
         super().__init__()
         self.attn_in = tpfp8.RMSNormLinear(32, 48, device=device, name="qkv", **kw)
         self.mlp = tpfp8.LayerNormMLP(48, 64, activation="swiglu", device=device, name="mlp",
-                                      fuse_wgrad_accumulation=kw.get(
+                                      bias=mlp_bias, fuse_wgrad_accumulation=kw.get(
                                           "fuse_wgrad_accumulation", False))
 
     def forward(self, x, is_first_microbatch=None):
@@ -368,6 +372,9 @@ COMPILE_CONFIGS = {
     "delayed weight cache + main_grad": (DELAYED, {"fuse_wgrad_accumulation": True},
                                          (True, False, False)),
     "current save_original_input": (CURRENT, {"save_original_input": True}, None),
+    "delayed handoff": (DELAYED, {"mlp_bias": False}, None),
+    "current handoff + main_grad": (CURRENT, {"mlp_bias": False,
+                                              "fuse_wgrad_accumulation": True}, None),
 }
 
 
