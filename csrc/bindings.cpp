@@ -83,16 +83,17 @@ PYBIND11_MODULE(_C, m) {
       [](const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& scale_invs,
          const std::vector<at::Tensor>& histories, const std::vector<at::Tensor>& grad_histories,
          const std::vector<double>& fp8_max, int64_t margin, bool use_history_max,
-         const std::string& amax_group) {
+         const std::string& amax_group, const std::vector<at::Tensor>& previous) {
         update_layers(
             scales, scale_invs, histories, grad_histories, fp8_max, margin, use_history_max,
-            amax_group.empty() ? ProcessGroupPtr() : c10d::resolve_process_group(amax_group));
+            amax_group.empty() ? ProcessGroupPtr() : c10d::resolve_process_group(amax_group),
+            previous);
       },
       py::arg("scales"), py::arg("scale_invs"), py::arg("histories"), py::arg("grad_histories"),
       py::arg("fp8_max"), py::arg("margin"), py::arg("use_history_max"), py::arg("amax_group"),
-      py::call_guard<py::gil_scoped_release>(),
+      py::arg("previous") = std::vector<at::Tensor>(), py::call_guard<py::gil_scoped_release>(),
       "Delayed-scaling update of many layers' states now (amaxes all-reduced over the named "
-      "group first, if any)");
+      "group first, if any); `previous`, if given, receives each layer's scales before it");
   m.def("set_forward_vetted", &set_forward_vetted, py::arg("vetted"),
         "Marks this thread's next Linear forward ops as checked by the module inside a backward "
         "pass (an activation checkpoint's recompute); see csrc/backward_guard.h");

@@ -498,7 +498,15 @@ void update_layers(const std::vector<at::Tensor>& scales, const std::vector<at::
                    const std::vector<at::Tensor>& histories,
                    const std::vector<at::Tensor>& grad_histories,
                    const std::vector<double>& fp8_max, int64_t margin, bool use_history_max,
-                   const ProcessGroupPtr& amax_group) {
+                   const ProcessGroupPtr& amax_group, const std::vector<at::Tensor>& previous) {
+  TORCH_CHECK_VALUE(previous.empty() || previous.size() == scales.size(),
+                    "update_layers: one `previous` buffer per layer, got ", previous.size(),
+                    " for ", scales.size(), " layers");
+  if (!previous.empty()) {
+    // As the kernels write the state: no version bump (a compiled backward reads it live).
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    at::_foreach_copy_(previous, scales);
+  }
   std::vector<at::Tensor> all_histories, all_scales, all_scale_invs;
   std::vector<int64_t> offsets;
   for (size_t j = 0; j < scales.size(); ++j) {  // forward (input, weight): slots 0-1; gradient: 2

@@ -146,33 +146,34 @@ def update(layers: Iterable) -> None:
     history length, recipe and amax group, one all-reduce of all the newest amaxes (tensor
     parallelism) and one launch per 96 tensors, on each layer's own buffers. Every rank of an
     amax group calls this with its layers in the same order (the order their forwards ran)."""
-    batches, scales, previous = {}, [], []
+    batches = {}
     for layer in layers:
         state, recipe, group = layer._buffers, layer._fp8_recipe, layer._fp8_amax_group
         history = state["fp8_amax_history"]
-        scales.append(_with_previous(layer, state))
-        previous.append(state["fp8_scale_prev"])
         key = (history.device, history.shape[1], recipe.margin, recipe.amax_compute_algo, group)
         batch = batches.get(key)
         if batch is None:
-            batch = batches[key] = ([], [], [], [], [])
+            batch = batches[key] = ([], [], [], [], [], [])
         batch[0].append(state["fp8_scale"])
         batch[1].append(state["fp8_scale_inv"])
         batch[2].append(history)
         batch[3].append(state["fp8_grad_amax_history"])
         batch[4].extend(_cached_maxima(recipe))
-    if scales:  # what a checkpoint's recompute after this update casts with
-        torch._foreach_copy_(previous, scales)
+        batch[5].append(_previous(layer, state))
     for (_, _, margin, algo, group), batch in batches.items():
-        _C.update_layers(*batch, margin, algo == "max", "" if group is None else group.group_name)
+        # (update_layers first copies each scale into `previous`: what a checkpoint's
+        # recompute after this update casts with)
+        _C.update_layers(*batch[:5], margin, algo == "max",
+                         "" if group is None else group.group_name, batch[5])
 
 
-def _with_previous(layer, state: dict) -> torch.Tensor:
-    """The layer's scale, counting the update about to run and making the buffer that keeps
-    the scale before it (the first time, or after the state moved)."""
+def _previous(layer, state: dict) -> torch.Tensor:
+    """The buffer that keeps the layer's scale before the update about to run (made the first
+    time, or after the state moved), counting the update. (Host time: the count bypasses
+    nn.Module.__setattr__, which it does not need.)"""
     scale, previous = state["fp8_scale"], state["fp8_scale_prev"]
     if previous is None or previous.device != scale.device:
         with torch.inference_mode(False):
-            state["fp8_scale_prev"] = torch.empty_like(scale)
-    layer._fp8_updates += 1
-    return scale
+            previous = state["fp8_scale_prev"] = torch.empty_like(scale)
+    layer.__dict__["_fp8_updates"] += 1
+    return previous
