@@ -436,3 +436,61 @@ def test_swap_fused_converts_sequential_pairs(norm):
         with tpfp8.fp8_autocast(recipe=recipe):
             got, want = fused(x), plain(x)
         assert float((got - want).norm() / want.norm()) < 2e-2
+
+
+class _Block(nn.Module):
+    """A pre-norm MLP block and an attention-style input: the norm's output feeds fc1 alone
+    (fusable), attn_norm's feeds q and k (not), and a residual path."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc1, self.act, self.fc2 = (nn.RMSNorm(64, eps=1e-6), nn.Linear(64, 128),
+                                                   nn.GELU(), nn.Linear(128, 64))
+        self.attn_norm, self.q, self.k = nn.LayerNorm(64), nn.Linear(64, 32), nn.Linear(64, 32)
+
+    def forward(self, x):
+        h = self.attn_norm(x)
+        x = x + torch.cat([self.q(h), self.k(h)], -1)
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+class _Branching(nn.Module):
+    """Not provable: the norm called twice, and a forward that branches on values."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.a, self.b = nn.LayerNorm(64), nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        y = self.a(self.norm(x))
+        if float(y.sum()) > 0:  # (fx cannot trace a branch on a value)
+            return self.b(self.norm(y))
+        return y
+
+
+def test_swap_fused_follows_traced_data_flow():
+    """Outside nn.Sequential the traced forward decides: norm -> fc1 and GELU -> fc2 are fused
+    (each output used by that Linear alone); the norm feeding q and k, a module that cannot
+    be traced, and a Linear shared between two places are left alone."""
+    torch.manual_seed(0)
+    shared = nn.Linear(64, 64)
+    model = nn.ModuleDict({"block": _Block(), "branching": _Branching(),
+                           "twice": nn.Sequential(nn.LayerNorm(64), shared),
+                           "again": nn.Sequential(shared)})
+    with torch.no_grad():
+        model["block"].norm.weight.uniform_(0.5, 1.5)
+    plain = tpfp8.swap_linear(copy.deepcopy(model))
+    tpfp8.swap_fused(model)
+    block = model["block"]
+    assert type(block.norm) is nn.Identity and type(block.act) is nn.Identity
+    assert type(block.fc1) is tpfp8.LayerNormLinear and block.fc1.normalization == "RMSNorm"
+    assert type(block.fc2) is tpfp8.ActivationLinear
+    assert type(block.attn_norm) is nn.LayerNorm and type(block.q) is nn.Linear
+    assert type(model["branching"].norm) is nn.LayerNorm
+    assert type(model["twice"][0]) is nn.LayerNorm and model["twice"][1] is shared
+    fused = tpfp8.swap_linear(model)
+    x = torch.randn(8, 64)
+    torch.testing.assert_close(fused["block"](x), plain["block"](x), rtol=1e-5, atol=1e-5)
+    with tpfp8.fp8_autocast(recipe=DELAYED):
+        got, want = fused["block"](x), plain["block"](x)
+    assert float((got - want).norm() / want.norm()) < 2e-2

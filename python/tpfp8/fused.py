@@ -4,9 +4,12 @@ computes it, in front of a ``tpfp8.Linear``'s GEMMs -- ``LayerNormLinear`` / ``R
 TransformerEngine's names. They are ``tpfp8.Linear`` layers whose op runs a prologue on the
 input (csrc/prologue.h); FP8 state, recipes, weight caching, tensor parallelism, debugging,
 checkpointing and torch.compile work as for ``tpfp8.Linear``."""
+import collections
+import copy
 from typing import Optional
 
 import torch
+import torch.fx
 from torch import nn
 
 from . import _C
@@ -242,27 +245,89 @@ class LayerNormMLP(nn.Module):
 
 
 def swap_fused(model: nn.Module) -> nn.Module:
-    """Fuses, in place, what the module tree says is unambiguous: inside every
-    ``nn.Sequential``, a ``nn.LayerNorm`` / ``nn.RMSNorm`` (affine, over the last dimension)
-    directly followed by a ``nn.Linear`` or ``tpfp8.Linear`` becomes one ``LayerNormLinear``
-    (the norm's slot an ``nn.Identity``), and a linear layer directly after an exact
-    ``nn.GELU()`` becomes an ``ActivationLinear`` taking the GELU's input. The new modules hold
-    the same parameters. Elsewhere the data flow is not in the tree (a norm may feed several
-    projections, or a residual), so nothing else changes; convert the remaining ``nn.Linear``
-    layers with :func:`tpfp8.swap_linear`. Returns ``model``."""
+    """Fuses, in place, the pairs the model makes unambiguous: a ``nn.LayerNorm`` /
+    ``nn.RMSNorm`` (affine, over the last dimension) whose output goes to one ``nn.Linear`` or
+    ``tpfp8.Linear`` and nowhere else becomes one ``LayerNormLinear`` (the norm's slot an
+    ``nn.Identity``), and a linear layer taking an exact ``nn.GELU()``'s output alone becomes an
+    ``ActivationLinear`` taking the GELU's input. Found in every ``nn.Sequential`` (its order is
+    the data flow) and in every module whose ``forward`` ``torch.fx`` can trace with its
+    submodules as opaque calls: there the traced graph must show the norm (or GELU) and the
+    Linear each called once, the norm's output used by that Linear alone, as its only argument.
+    Modules shared between places in the tree, untraceable ``forward``s (data-dependent
+    control flow) and a norm feeding several projections (q, k and v) are left as they are;
+    convert the remaining ``nn.Linear`` layers with :func:`tpfp8.swap_linear`. The new modules
+    hold the same parameters. Returns ``model``."""
+    shared = _shared_modules(model)
     for seq in [m for m in model.modules() if isinstance(m, nn.Sequential)]:
         names = list(seq._modules)
         for a, b in zip(names, names[1:]):
-            first, second = seq._modules[a], seq._modules[b]
-            if not _plain_linear(second):
-                continue
-            if _fusable_norm(first):
-                seq._modules[b] = _norm_linear(first, second)
-                seq._modules[a] = nn.Identity()
-            elif type(first) is nn.GELU and first.approximate == "none":
-                seq._modules[b] = _activation_linear(second)
-                seq._modules[a] = nn.Identity()
+            _fuse_pair(seq, a, b, shared)
+    for owner in [m for m in model.modules() if _traceable_owner(m)]:
+        for a, b in _traced_pairs(owner):
+            _fuse_pair(owner, a, b, shared)
     return model
+
+
+def _fuse_pair(owner: nn.Module, a: str, b: str, shared: set) -> None:
+    """Fuses submodules `a` (a norm or an exact GELU) and `b` (a Linear taking its output alone)
+    of `owner`, where they are of those kinds and neither is shared."""
+    first, second = owner.get_submodule(a), owner.get_submodule(b)
+    if not _plain_linear(second) or id(first) in shared or id(second) in shared:
+        return
+    if _fusable_norm(first):
+        fused = _norm_linear(first, second)
+    elif type(first) is nn.GELU and first.approximate == "none":
+        fused = _activation_linear(second)
+    else:
+        return
+    _set_submodule(owner, b, fused)
+    _set_submodule(owner, a, nn.Identity())
+
+
+def _shared_modules(model: nn.Module) -> set:
+    """ids of the modules that stand at more than one place in the tree."""
+    seen, shared = set(), set()
+    for _, m in model.named_modules(remove_duplicate=False):
+        (shared if id(m) in seen else seen).add(id(m))
+    return shared
+
+
+def _set_submodule(owner: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(owner.get_submodule(parent) if parent else owner, name, module)
+
+
+def _traceable_owner(m: nn.Module) -> bool:
+    # (Sequentials are read in order; tpfp8's own modules are never rewritten.)
+    return bool(m._modules) and not isinstance(m, (nn.Sequential, Linear, LayerNormMLP))
+
+
+class _OpaqueSubmodules(torch.fx.Tracer):
+    """Traces one module's forward, every submodule a single call node."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return True
+
+
+def _traced_pairs(owner: nn.Module) -> list:
+    """(a, b): submodule paths where `owner.forward` calls `b` on the output of `a`, which
+    nothing else uses, each called once; [] where forward cannot be traced."""
+    try:  # (on a shallow copy: a forward that sets attributes sets the copy's)
+        graph = _OpaqueSubmodules().trace(copy.copy(owner))
+    except Exception:  # (control flow on values, unsupported Python: not provable, left alone)
+        return []
+    calls = [n for n in graph.nodes if n.op == "call_module"]
+    count = collections.Counter(n.target for n in calls)
+    pairs = []
+    for n in calls:
+        users = list(n.users)
+        if count[n.target] != 1 or len(users) != 1:
+            continue
+        user = users[0]
+        if user.op == "call_module" and count[user.target] == 1 and user.args == (n,) \
+                and not user.kwargs:
+            pairs.append((n.target, user.target))
+    return pairs
 
 
 def _plain_linear(m) -> bool:
