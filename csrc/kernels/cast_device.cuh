@@ -145,6 +145,15 @@ __device__ __forceinline__ void fold_block_amax(uint32_t v, float* amax) {
   }
 }
 
+// Asks L2 for `bytes` at src (sm_90 bulk prefetch: no registers, nothing to wait for); src and
+// bytes are multiples of 16. A no-op before sm_90.
+__device__ __forceinline__ void prefetch_l2(const void* src, int64_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(__cvta_generic_to_global(src)),
+               "r"(static_cast<uint32_t>(bytes)));
+#endif
+}
+
 }  // namespace device
 
 // Multiprocessors of the current device, read once per device (no sync, no allocation).

@@ -230,15 +230,6 @@ __device__ __forceinline__ float2 block_sum2(float2 s, float2 (*buf)[kWarps], in
   return total;
 }
 
-// Asks L2 for `bytes` at src (sm_90 bulk prefetch: no registers, nothing to wait for); src and
-// bytes are multiples of 16.
-__device__ __forceinline__ void prefetch_l2(const void* src, int64_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(__cvta_generic_to_global(src)),
-               "r"(static_cast<uint32_t>(bytes)));
-#endif
-}
-
 // Row r's dx from its x and dy in registers; adds its dgamma / dbeta terms to `sums`.
 template <typename T, int kChunks>
 __device__ __forceinline__ void backward_row(const Args& a, int64_t r, const Row<T, kChunks>& row,
@@ -324,8 +315,8 @@ __global__ void __launch_bounds__(kNormLanes, (Config<T, kChunks>::kMinBlocks))
   const int64_t row_bytes = h * static_cast<int64_t>(sizeof(T));
   auto ask_l2 = [&](int64_t r) {
     if (threadIdx.x == 0 && r < r1) {
-      prefetch_l2(static_cast<const char*>(p.x) + r * row_bytes, row_bytes);
-      prefetch_l2(static_cast<const char*>(p.dy) + r * row_bytes, row_bytes);
+      device::prefetch_l2(static_cast<const char*>(p.x) + r * row_bytes, row_bytes);
+      device::prefetch_l2(static_cast<const char*>(p.dy) + r * row_bytes, row_bytes);
     }
   };
   for (int i = 1; i <= a.ahead; ++i) ask_l2(r0 + i);  // a.ahead == 0: no prefetch

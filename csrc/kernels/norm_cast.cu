@@ -135,15 +135,6 @@ __device__ __forceinline__ float team_sum(float s, float (*buf)[kWarpsPerTeam], 
   return total;
 }
 
-// Asks L2 for a row before the team copies it (sm_90 bulk prefetch: no registers, nothing to
-// wait for). Rows are whole multiples of 16 bytes at 16-byte aligned addresses.
-__device__ __forceinline__ void prefetch_l2(const void* src, int64_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(__cvta_generic_to_global(src)),
-               "r"(static_cast<uint32_t>(bytes)));
-#endif
-}
-
 // The lane's `chunks` chunks of a row, global -> the team's stage (the row's layout),
 // asynchronously: each thread later reads back only what it copied, after wait_copies, so no
 // barrier is needed. Addresses are a base and constant offsets, for registers' sake.
@@ -375,7 +366,7 @@ __global__ void __launch_bounds__(Plan<T, kChunks>::kMaxThreads) norm_cast_kerne
     c.advance(a);
     asked[team] = c;
     const int64_t r = rows.row(c);
-    if (r >= 0) prefetch_l2(in + r * p.hidden, row_bytes);
+    if (r >= 0) device::prefetch_l2(in + r * p.hidden, row_bytes);
   };
   if (lead()) {
     asked[team] = at;
