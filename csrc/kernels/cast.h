@@ -82,6 +82,16 @@ cudaError_t cast_transpose_cuda(const CastParams& p, cudaStream_t stream);
 // Both ops share one CPU reference: it writes whichever outputs are non-null.
 void cast_cpu(const CastParams& p);
 
+// The column sums' second step on the GPU, for any kernel that wrote the tiles' rows
+// partial[t * cols + c] of a [rows, cols] tensor (tiles = dbias_tiles(rows)) in the order above:
+// dbias[c] = g[0] + ... + g[7].
+cudaError_t dbias_reduce_cuda(const float* partial, int64_t tiles, int64_t cols, float* dbias,
+                              cudaStream_t stream);
+// The CPU reference of the whole order for fp32 values [rows, cols]: dbias[c], and the tiles'
+// rows into `partial` when it is non-null.
+void column_sums_cpu(const float* values, int64_t rows, int64_t cols, float* dbias,
+                     float* partial = nullptr);
+
 // out[c * rows + r] = in[r * cols + c] for FP8 bytes (data gathered from other ranks).
 cudaError_t transpose_fp8_cuda(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out,
                                cudaStream_t stream);

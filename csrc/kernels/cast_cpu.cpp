@@ -29,11 +29,9 @@ void cast_typed(const CastParams& p) {
 // cast.h's order of the column sums, walking rows in memory order: tile t's lane sum of lane
 // row q gets rows q, q + 16, ..., q + 112 in turn, each a contiguous row of all columns.
 template <typename T>
-void column_sums_typed(const CastParams& p) {
-  const T* in = static_cast<const T*>(p.input);
-  const int64_t cols = p.cols, tiles = dbias_tiles(p.rows);
+void column_sums_typed(const T* in, int64_t rows, int64_t cols, float* dbias, float* partial) {
+  const int64_t tiles = dbias_tiles(rows);
   std::vector<float> own;
-  float* partial = p.dbias_partial;
   if (!partial) {
     own.resize(tiles * cols);
     partial = own.data();
@@ -41,7 +39,7 @@ void column_sums_typed(const CastParams& p) {
   std::vector<float> lanes(kDbiasLanes * cols);
   for (int64_t t = 0; t < tiles; ++t) {
     std::fill(lanes.begin(), lanes.end(), 0.0f);
-    for (int64_t r = t * kDbiasTileRows; r < std::min(p.rows, (t + 1) * kDbiasTileRows); ++r) {
+    for (int64_t r = t * kDbiasTileRows; r < std::min(rows, (t + 1) * kDbiasTileRows); ++r) {
       float* lane = &lanes[(r % kDbiasLanes) * cols];
       for (int64_t c = 0; c < cols; ++c) lane[c] += to_float(in[r * cols + c]);
     }
@@ -59,7 +57,7 @@ void column_sums_typed(const CastParams& p) {
       for (int64_t t = j; t < tiles; t += kDbiasGroups) group += partial[t * cols + c];
       sum += group;
     }
-    p.dbias[c] = from_float<float>(sum);
+    dbias[c] = from_float<float>(sum);
   }
 }
 
@@ -85,8 +83,16 @@ void dequantize_typed(const DequantizeParams& p) {
 void cast_cpu(const CastParams& p) {
   dispatch_dtype(p.dtype, [&](auto tag) {
     if (p.rowwise || p.columnwise || p.amax || p.scale_inv) cast_typed<decltype(tag)>(p);
-    if (p.dbias) column_sums_typed<decltype(tag)>(p);
+    if (p.dbias) {
+      column_sums_typed(static_cast<const decltype(tag)*>(p.input), p.rows, p.cols, p.dbias,
+                        p.dbias_partial);
+    }
   });
+}
+
+void column_sums_cpu(const float* values, int64_t rows, int64_t cols, float* dbias,
+                     float* partial) {
+  column_sums_typed(values, rows, cols, dbias, partial);
 }
 
 void transpose_fp8_cpu(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out) {

@@ -1,5 +1,5 @@
 // Device-side pieces shared by the cast kernels: 8-wide vector access, the hardware FP8
-// conversion, the 4x4 byte transpose, and the block-wide amax fold.
+// conversion, the 4x4 byte transpose, the block-wide amax fold and the tiles' column sums.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cast.h"
 #include "dtype.h"
 #include "fp8_format.h"
 
@@ -143,6 +144,35 @@ __device__ __forceinline__ void fold_block_amax(uint32_t v, float* amax) {
     v = __reduce_max_sync(0xFFFFFFFFu, v);
     if (lane == 0 && v != 0) atomicMax(reinterpret_cast<unsigned int*>(amax), v);
   }
+}
+
+// A 128-column tile's column sums in cast.h's dbias order, for kernels of 256 threads where
+// thread i sums columns 8 (i % 16) .. +7 of the tile over lane row q = i / 16 (rows q, q + 16,
+// ..., q + 112) into v. Phase one: the two threads of a column segment in warp w (lane rows 2w
+// and 2w + 1) add theirs, and the first stores the warp's 128 sums to warp_sums [8][128]. Every
+// thread must call it; a barrier must follow before store_column_sums.
+__device__ __forceinline__ void publish_column_sums(float (&v)[8], float* warp_sums) {
+  static_assert(kDbiasLanes == 16 && kDbiasGroups == 8, "256 threads: 16 lanes, 8 warps");
+  const int lane = threadIdx.x % 32, seg = threadIdx.x % 16;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] += __shfl_xor_sync(0xFFFFFFFFu, v[j], 16);
+  if (lane < 16) {
+    float4* out = reinterpret_cast<float4*>(warp_sums + (threadIdx.x / 32) * 128 + seg * 8);
+    out[0] = make_float4(v[0], v[1], v[2], v[3]);
+    out[1] = make_float4(v[4], v[5], v[6], v[7]);
+  }
+}
+
+// Phase two: thread c < 128 adds column k0 + c (if below cols) over the warps, in warp order,
+// into row[k0 + c] (the tile's row of dbias_partial, columns [0, cols)).
+__device__ __forceinline__ void store_column_sums(const float* warp_sums, float* row, int64_t k0,
+                                                  int64_t cols) {
+  const int c = threadIdx.x;
+  if (c >= 128 || k0 + c >= cols) return;
+  float sum = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kDbiasGroups; ++w) sum += warp_sums[w * 128 + c];
+  row[k0 + c] = from_float<float>(sum);
 }
 
 // Asks L2 for `bytes` at src (sm_90 bulk prefetch: no registers, nothing to wait for); src and

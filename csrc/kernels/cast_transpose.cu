@@ -122,28 +122,9 @@ struct ColumnSums {
   }
 };
 
-// Phase one of a tile's column sums: the two threads of a column segment in warp w (lane rows
-// 2w and 2w + 1) add theirs, and the first stores the warp's 128 sums to `warp_sums`
-// [kWarps][kTile]. Every thread must call it; a barrier must follow before store_tile_sums.
-__device__ __forceinline__ void publish_sums(ColumnSums& s, float* warp_sums) {
-  const int lane = threadIdx.x % 32, seg = threadIdx.x % kSegmentsPerRow;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) s.v[j] += __shfl_xor_sync(0xFFFFFFFFu, s.v[j], 16);
-  if (lane < 16) {
-    float4* out = reinterpret_cast<float4*>(warp_sums + (threadIdx.x / 32) * kTile + seg * 8);
-    out[0] = make_float4(s.v[0], s.v[1], s.v[2], s.v[3]);
-    out[1] = make_float4(s.v[4], s.v[5], s.v[6], s.v[7]);
-  }
-}
-
-// Phase two: thread c < 128 adds column c over the warps, in warp order, into the tile's row.
+// The tile's row of dbias_partial from the warps' sums (after a barrier).
 __device__ __forceinline__ void store_tile_sums(const float* warp_sums, const TileArgs& t) {
-  const int c = threadIdx.x;
-  if (c >= kTile || t.k0 + c >= t.cols) return;
-  float sum = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) sum += warp_sums[w * kTile + c];
-  t.dbias_partial[(t.m0 / kTile) * t.cols + t.k0 + c] = from_float<float>(sum);
+  device::store_column_sums(warp_sums, t.dbias_partial + (t.m0 / kTile) * t.cols, t.k0, t.cols);
 }
 
 // Starts the copy of the tile at (t.m0, t.k0) into `buf` ([kTile][kTile] row-major, zeros
@@ -187,7 +168,7 @@ __device__ void staged_tile(const T* buf, const TileArgs& t, uint32_t* fp8_tile,
       *reinterpret_cast<uint2*>(fp8_tile + r * kTileWords + swizzle(r, 2 * seg)) = bytes;
     }
   }
-  if (t.dbias_partial) publish_sums(sums, warp_sums);
+  if (t.dbias_partial) device::publish_column_sums(sums.v, warp_sums);
   if (!t.columnwise && !t.dbias_partial) return;
   __syncthreads();  // the FP8 tile and the warps' sums complete
   if (t.dbias_partial) store_tile_sums(warp_sums, t);
@@ -240,7 +221,7 @@ __device__ void element_tile(const T* __restrict__ in, const TileArgs& t, float*
         sums.v[j] += m < t.m_end && k < t.cols ? device::load_float(in[m * t.cols + k]) : 0.0f;
       }
     }
-    publish_sums(sums, warp_sums);
+    device::publish_column_sums(sums.v, warp_sums);
     __syncthreads();
     store_tile_sums(warp_sums, t);
     __syncthreads();  // warp_sums read before the next tile writes them
@@ -389,11 +370,18 @@ cudaError_t cast_transpose_cuda(const CastParams& p, cudaStream_t stream) {
                                p.scale_inv, partial, stream);
     }
   });
-  if (p.dbias && p.cols > 0) {
-    const auto blocks = static_cast<unsigned>((p.cols + kSumColumns - 1) / kSumColumns);
-    dbias_reduce_kernel<<<blocks, kThreads, 0, stream>>>(partial, dbias_tiles(p.rows), p.cols,
-                                                         p.dbias);
+  if (p.dbias) {
+    const cudaError_t e = dbias_reduce_cuda(partial, dbias_tiles(p.rows), p.cols, p.dbias, stream);
+    if (e != cudaSuccess) return e;
   }
+  return cudaGetLastError();
+}
+
+cudaError_t dbias_reduce_cuda(const float* partial, int64_t tiles, int64_t cols, float* dbias,
+                              cudaStream_t stream) {
+  if (cols <= 0) return cudaSuccess;
+  const auto blocks = static_cast<unsigned>((cols + kSumColumns - 1) / kSumColumns);
+  dbias_reduce_kernel<<<blocks, kThreads, 0, stream>>>(partial, tiles, cols, dbias);
   return cudaGetLastError();
 }
 
