@@ -21,6 +21,13 @@
 // across tiles and through the column-wise stores: with one segment's loads in flight per
 // thread only while it waited on them, SwiGLU ran at ~2 TB/s.
 //
+// dbias (backward) is cast.h's order of column sums, which is this layout: a thread adds its
+// segments' fp32 results over the 8 passes in registers (a lane sum of 8 columns per output
+// tile), the two threads of a column segment in a warp add by shuffle, and 128 threads add the
+// 8 warps' sums through shared memory (the FP8 tiles once stored, else room of its own) into
+// the tile's row of dbias_partial; cast_transpose's reduction kernel adds the rows. Only the
+// instances built with it (kDbias) carry the sums and their barriers.
+//
 // Shapes that break vector alignment (n % 8 != 0, misaligned pointers) load and store element
 // by element; rows % 16 != 0 only makes the column-wise stores bytewise.
 #include <cuda_runtime.h>
@@ -44,9 +51,14 @@ constexpr int kStages = 3;  // input stages of a thread: the segment it computes
 
 // Resident blocks per SM the register budget must allow (see the top of the file); ptxas
 // fits each instance without spilling. SwiGLU's backward, 16-bit, with column-wise output takes
-// 68 KiB of shared memory (32 tiles, 36 stages): 3 blocks.
-template <Activation A, bool kBackward>
-constexpr int kMinBlocks = A == Activation::kSwiGLU && kBackward ? 3 : 5;
+// 68 KiB of shared memory (32 tiles, 36 stages): 3 blocks. The dbias instances hold 8 (GELU) or
+// 16 (SwiGLU) lane sums more: at 48 / 64 (GELU) and 80 (SwiGLU but bf16) registers ptxas
+// spilled, so they get 80 (3 blocks), fp16 and fp32 SwiGLU 128 (2 blocks, all fp32's shared
+// memory allows anyway).
+template <Activation A, bool kBackward, typename T, bool kDbias>
+constexpr int kMinBlocks =
+    A == Activation::kSwiGLU && kBackward ? (kDbias && !std::is_same_v<T, bf16_t> ? 2 : 3)
+                                          : (kDbias ? 3 : 5);
 
 template <typename T>
 struct Args {
@@ -56,7 +68,11 @@ struct Args {
   uint8_t* rowwise;
   uint8_t* columnwise;
   T* out;
+  float* dbias_partial;  // the dbias instances only
 };
+
+// One output tile's warp sums of the column sums: [warp][column] fp32.
+constexpr int kSumBytes = kDbiasGroups * kFp8Tile * 4;
 
 // The first `valid` of eight elements from p (columns k .. k+7 of a row), element by element
 // (unaligned inputs); zeros past the edge.
@@ -202,8 +218,10 @@ __device__ __forceinline__ void wait_copies() {
 #endif
 }
 
-template <Activation A, bool kBackward, Fp8Format F, typename T>
-__global__ void __launch_bounds__(kThreads, kMinBlocks<A, kBackward>)
+// kDbias (backward only): also the tiles' rows of dbias_partial, a separate instance so the
+// others keep their registers.
+template <Activation A, bool kBackward, Fp8Format F, typename T, bool kDbias>
+__global__ void __launch_bounds__(kThreads, kMinBlocks<A, kBackward, T, kDbias>)
     activation_cast_kernel(Args<T> a, ScaleSource scale_src, float* amax, float* scale_inv,
                            bool vec, bool vec_col, bool reverse) {
   constexpr bool kSwiGLU = A == Activation::kSwiGLU;
@@ -212,10 +230,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<A, kBackward>)
   constexpr int kTileWords = kTileBytes / 4;
   using StageT = Stage<T, kInputs>;
   // kOutTiles FP8 tiles with column-wise output (else none; 16-byte aligned: rows are written
-  // as 8-byte words), then kStages input stages when `vec`.
+  // as 8-byte words), then kStages input stages when `vec`. The dbias instances' warp sums
+  // (kOutTiles * kSumBytes) take the FP8 tiles once stored, else follow the stages.
   extern __shared__ __align__(16) uint32_t tiles[];
   uint4* const stages =
       reinterpret_cast<uint4*>(tiles + (a.columnwise ? kOutTiles * kTileWords : 0));
+  float* const warp_sums =
+      reinterpret_cast<float*>(a.columnwise ? reinterpret_cast<uint4*>(tiles)
+                                            : stages + (vec ? kStages * (StageT::kBytes / 16) : 0));
   const auto stage = [&](int s) { return StageT{stages + s * (StageT::kBytes / 16)}; };
   // Where the segment at p reads its inputs.
   const auto sources = [&](const Place& p, const T*(&src)[kInputs]) {
@@ -251,6 +273,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<A, kBackward>)
     }
   }
   uint32_t local_amax = 0;
+  // The lane sums of cast.h's dbias order: this thread's 8 columns of each output tile over its
+  // rows row0, row0 + 16, ..., row0 + 112 of the current tile.
+  float sums[kOutTiles][8] = {};
 #pragma unroll 1
   for (Place cur = walk.at(blockIdx.x, 0); cur.item < walk.num_tiles;) {
     if (vec) {
@@ -277,9 +302,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<A, kBackward>)
         const float g = kBackward ? device::load_float(in[kInputs - 1].v[j]) : 0.0f;
         y1[j] = 0.0f;
         activation_element<A, kBackward>(x0, x1, g, y0[j], y1[j]);
-        // Padding (j >= valid) computes to 0, which leaves the max alone.
+        // Padding (j >= valid) computes to 0, which leaves the max alone (and the sums of
+        // columns that are never stored).
         local_amax = max(local_amax, abs_bits(y0[j]));
         if (kOutTiles == 2) local_amax = max(local_amax, abs_bits(y1[j]));
+        if constexpr (kDbias) {
+          sums[0][j] += y0[j];
+          if constexpr (kOutTiles == 2) sums[kOutTiles - 1][j] += y1[j];
+        }
       }
       const int r = walk.row0 + cur.pass * kRowsPerPass;
       put_segment<T, F>(a, y0, cur.m, cur.k, cur.valid, r, walk.seg, scale, vec, tiles);
@@ -299,6 +329,24 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<A, kBackward>)
                                       o * a.n + cur.k0, cols, vec_col);
       }
       __syncthreads();  // read before the next tile overwrites them
+    }
+    if constexpr (kDbias) {
+      if (cur.pass + 1 == kPasses) {
+        // Every thread reaches each tile's last pass, past the edge too: barriers are uniform.
+#pragma unroll
+        for (int o = 0; o < kOutTiles; ++o) {
+          device::publish_column_sums(sums[o], warp_sums + o * (kSumBytes / 4));
+#pragma unroll
+          for (int j = 0; j < 8; ++j) sums[o][j] = 0.0f;
+        }
+        __syncthreads();  // the warps' sums written
+        float* const row = a.dbias_partial + (cur.m0 / kFp8Tile) * a.out_cols;
+#pragma unroll
+        for (int o = 0; o < kOutTiles; ++o) {
+          device::store_column_sums(warp_sums + o * (kSumBytes / 4), row + o * a.n, cur.k0, a.n);
+        }
+        __syncthreads();  // read before the next tile writes them (or its FP8 tiles)
+      }
     }
     cur = walk.next(cur);
   }
@@ -327,9 +375,9 @@ int blocks_per_sm(Kernel kernel, int smem, int smem_max, int* cache) {
   return cache[dev];
 }
 
-template <Activation A, bool kBackward, Fp8Format F, typename T>
+template <Activation A, bool kBackward, Fp8Format F, typename T, bool kDbias>
 void launch(const ActivationCastParams& p, cudaStream_t stream) {
-  const auto kernel = activation_cast_kernel<A, kBackward, F, T>;
+  const auto kernel = activation_cast_kernel<A, kBackward, F, T, kDbias>;
   constexpr int kOutTiles = A == Activation::kSwiGLU && kBackward ? 2 : 1;
   constexpr int kInputs = 1 + (A == Activation::kSwiGLU) + kBackward;
   constexpr int kStageBytes = kStages * Stage<T, kInputs>::kBytes;
@@ -342,21 +390,24 @@ void launch(const ActivationCastParams& p, cudaStream_t stream) {
             p.out_cols(),
             p.rowwise,
             p.columnwise,
-            static_cast<T*>(p.out)};
+            static_cast<T*>(p.out),
+            kDbias ? p.dbias_partial : nullptr};
   using device::aligned;
   const bool vec = p.n % 8 == 0 && aligned(a.x, 16) && (!kBackward || aligned(a.dy, 16)) &&
                    aligned(a.out, 16) && aligned(a.rowwise, 8);
   const bool vec_col = p.rows % 16 == 0 && aligned(a.columnwise, 16);
-  // Column-wise output goes through the shared tiles, aligned inputs through the stages.
+  // Column-wise output goes through the shared tiles, aligned inputs through the stages; the
+  // warp sums of dbias need their own room only without the tiles.
   const bool with_tiles = p.columnwise != nullptr;
-  const int smem = (with_tiles ? kOutTiles * kTileBytes : 0) + (vec ? kStageBytes : 0);
+  const int smem = (with_tiles ? kOutTiles * kTileBytes : 0) + (vec ? kStageBytes : 0) +
+                   (kDbias && !with_tiles ? kOutTiles * kSumBytes : 0);
   const int64_t tiles = ((p.rows + kFp8Tile - 1) / kFp8Tile) * ((p.n + kFp8Tile - 1) / kFp8Tile);
   const int64_t resident = int64_t{current_sm_count()} *
                            blocks_per_sm(kernel, smem, kOutTiles * kTileBytes + kStageBytes,
                                          cache[with_tiles * 2 + vec]);
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min(tiles, resident)));
   // Only the amax pass of current scaling writes no output.
-  const bool amax_pass = !p.rowwise && !p.columnwise && !p.out;
+  const bool amax_pass = !p.rowwise && !p.columnwise && !p.out && !kDbias;
   kernel<<<grid, kThreads, smem, stream>>>(a, scale_source(p), p.amax, p.scale_inv, vec, vec_col,
                                            !amax_pass);
 }
@@ -364,17 +415,20 @@ void launch(const ActivationCastParams& p, cudaStream_t stream) {
 template <Fp8Format F, typename T>
 void launch_activation(const ActivationCastParams& p, cudaStream_t stream) {
   if (p.activation == Activation::kGelu) {
-    p.backward ? launch<Activation::kGelu, true, F, T>(p, stream)
-               : launch<Activation::kGelu, false, F, T>(p, stream);
+    !p.backward ? launch<Activation::kGelu, false, F, T, false>(p, stream)
+    : p.dbias   ? launch<Activation::kGelu, true, F, T, true>(p, stream)
+                : launch<Activation::kGelu, true, F, T, false>(p, stream);
   } else {
-    p.backward ? launch<Activation::kSwiGLU, true, F, T>(p, stream)
-               : launch<Activation::kSwiGLU, false, F, T>(p, stream);
+    !p.backward ? launch<Activation::kSwiGLU, false, F, T, false>(p, stream)
+    : p.dbias   ? launch<Activation::kSwiGLU, true, F, T, true>(p, stream)
+                : launch<Activation::kSwiGLU, true, F, T, false>(p, stream);
   }
 }
 
 }  // namespace
 
 cudaError_t activation_cast_cuda(const ActivationCastParams& p, cudaStream_t stream) {
+  if (p.dbias && (!p.backward || (!p.dbias_partial && p.rows > 0))) return cudaErrorInvalidValue;
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     if (p.format == Fp8Format::kE4M3) {
@@ -383,7 +437,9 @@ cudaError_t activation_cast_cuda(const ActivationCastParams& p, cudaStream_t str
       launch_activation<Fp8Format::kE5M2, T>(p, stream);
     }
   });
-  return cudaGetLastError();
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess || !p.dbias) return e;
+  return dbias_reduce_cuda(p.dbias_partial, dbias_tiles(p.rows), p.out_cols(), p.dbias, stream);
 }
 
 }  // namespace tpfp8

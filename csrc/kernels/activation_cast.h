@@ -50,6 +50,14 @@ struct ActivationCastParams {
   void* out = nullptr;
   float* amax = nullptr;
   float* scale_inv = nullptr;
+  // Backward only: dbias[c] = sum over rows r of y[r, c] ([out_cols] fp32; fc1's bias gradient),
+  // of the fp32 results (not their rounding to dtype), in cast.h's order (CastParams::dbias), with
+  // dbias_partial ([dbias_tiles(rows), out_cols] fp32) as the GPU's workspace; the CPU reference
+  // fills it too when given. nullptr: skipped. It is an output like the others, so current
+  // scaling passes it to the cast pass only (the amax pass sets nothing but `amax`). Forward
+  // with dbias: the CUDA launcher returns cudaErrorInvalidValue, the CPU reference ignores it.
+  float* dbias = nullptr;
+  float* dbias_partial = nullptr;
 
   int64_t in_cols() const { return activation == Activation::kSwiGLU ? 2 * n : n; }
   int64_t out_cols() const { return backward ? in_cols() : n; }

@@ -1,6 +1,7 @@
 // CPU reference of activation_cast.h: a plain loop over activation_element and the shared
 // FP8 encoder, the oracle the CUDA kernel is compared with byte for byte.
 #include <algorithm>
+#include <vector>
 
 #include "activation_cast.h"
 
@@ -16,8 +17,11 @@ void activation_cast_typed(const ActivationCastParams& p) {
   const float scale = scale_source(p).resolve(p.format);
   const bool two = A == Activation::kSwiGLU && kBackward;
   uint32_t amax = 0;
+  // The fp32 results for the column sums, which take cast.h's order over the whole matrix.
+  std::vector<float> ys(kBackward && p.dbias ? p.rows * out_cols : 0);
   auto put = [&](int64_t r, int64_t c, float y) {
     amax = std::max(amax, abs_bits(y));
+    if (!ys.empty()) ys[r * out_cols + c] = y;
     if (out) out[r * out_cols + c] = from_float<T>(y);
     const uint8_t code = encode_fp8(mul_rn(y, scale), p.format);
     if (p.rowwise) p.rowwise[r * out_cols + c] = code;
@@ -36,6 +40,7 @@ void activation_cast_typed(const ActivationCastParams& p) {
   }
   if (p.amax) *p.amax = bits_float(std::max(float_bits(*p.amax), amax));
   if (p.scale_inv) *p.scale_inv = div_rn(1.0f, scale);
+  if (kBackward && p.dbias) column_sums_cpu(ys.data(), p.rows, out_cols, p.dbias, p.dbias_partial);
 }
 
 }  // namespace
