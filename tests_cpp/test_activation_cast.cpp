@@ -106,6 +106,7 @@ struct Case {
   Fp8Format format;
   bool rowwise = true, columnwise = true, out = true;
   std::optional<float> current;  // current scaling with this epsilon: the amax pass first
+  bool dbias = false;            // backward: the column sums too (on the cast pass)
 };
 
 template <typename T>
@@ -113,6 +114,7 @@ struct Result {
   std::vector<uint8_t> rowwise, columnwise;
   std::vector<T> out;
   float amax = 0.0f, scale_inv = 0.0f;
+  std::vector<float> dbias, dbias_partial;  // with Case::dbias: [out_cols], [tiles, out_cols]
 };
 
 constexpr float kScale = 37.5f;
@@ -157,6 +159,11 @@ Result<T> run_cpu(const Case& c, const Inputs<T>& in) {
   p.columnwise = c.columnwise ? r.columnwise.data() : nullptr;
   p.out = c.out ? r.out.data() : nullptr;
   p.scale_inv = &r.scale_inv;
+  if (c.dbias) {
+    r.dbias.assign(p.out_cols(), -1.0f);
+    r.dbias_partial.assign(dbias_tiles(c.rows) * p.out_cols(), -1.0f);
+    p.dbias = r.dbias.data(), p.dbias_partial = r.dbias_partial.data();
+  }
   activation_cast_cpu(p);
   return r;
 }
@@ -169,7 +176,8 @@ Result<T> run_gpu(const Case& c, const Inputs<T>& in) {
   DeviceBuffer<T> x(in.x), dy(in.dy), out(c.out ? size : 0);
   DeviceBuffer<uint8_t> row(c.rowwise ? size : 0), col(c.columnwise ? size : 0);
   DeviceBuffer<float> scale(std::vector<float>{kScale}), amax(std::vector<float>{0.0f}),
-      scale_inv(1);
+      scale_inv(1), dbias(c.dbias ? p.out_cols() : 0),
+      partial(c.dbias ? dbias_tiles(c.rows) * p.out_cols() : 0);
   p.input = x.get(), p.grad = c.backward ? dy.get() : nullptr;
   if (c.current) {
     ActivationCastParams pass = p;
@@ -183,6 +191,7 @@ Result<T> run_gpu(const Case& c, const Inputs<T>& in) {
   p.columnwise = c.columnwise ? col.get() : nullptr;
   p.out = c.out ? out.get() : nullptr;
   p.scale_inv = scale_inv.get();
+  if (c.dbias) p.dbias = dbias.get(), p.dbias_partial = partial.get();
   EXPECT_EQ(activation_cast_cuda(p, nullptr), cudaSuccess);
   Result<T> r;
   if (c.rowwise) r.rowwise = row.to_host();
@@ -190,6 +199,7 @@ Result<T> run_gpu(const Case& c, const Inputs<T>& in) {
   if (c.out) r.out = out.to_host();
   r.amax = amax.to_host()[0];
   r.scale_inv = scale_inv.to_host()[0];
+  if (c.dbias) r.dbias = dbias.to_host(), r.dbias_partial = partial.to_host();
   return r;
 }
 #endif
@@ -200,6 +210,8 @@ template <typename T>
   if (auto r = same_bytes(a.columnwise, b.columnwise); !r) return r << " (columnwise)";
   if (auto r = same_bytes(a.out, b.out); !r) return r << " (high-precision out)";
   if (auto r = same_bytes<float>({a.amax}, {b.amax}); !r) return r << " (amax)";
+  if (auto r = same_bytes(a.dbias_partial, b.dbias_partial); !r) return r << " (dbias_partial)";
+  if (auto r = same_bytes(a.dbias, b.dbias); !r) return r << " (dbias)";
   return same_bytes<float>({a.scale_inv}, {b.scale_inv}) << " (scale_inv)";
 }
 
@@ -210,10 +222,11 @@ const char* dtype_name() {
 
 std::string describe(const Case& c, const char* dtype) {
   char s[160];
-  std::snprintf(s, sizeof(s), "%s %s %s %s %lldx%lld row=%d col=%d out=%d %s", dtype,
+  std::snprintf(s, sizeof(s), "%s %s %s %s %lldx%lld row=%d col=%d out=%d %s%s", dtype,
                 c.act == Activation::kGelu ? "gelu" : "swiglu", c.backward ? "bwd" : "fwd",
                 format_name(c.format), static_cast<long long>(c.rows), static_cast<long long>(c.n),
-                c.rowwise, c.columnwise, c.out, c.current ? "current" : "delayed");
+                c.rowwise, c.columnwise, c.out, c.current ? "current" : "delayed",
+                c.dbias ? " dbias" : "");
   return s;
 }
 
@@ -318,6 +331,74 @@ TEST(ActivationCastCpu, CurrentScalingIsTheDelayedCastAtTheAmaxScale) {
   }
 }
 
+// cast.h's order of the column sums written out plainly, column by column (the reference shares
+// its code with the cast's): lane sums of rows q, q + 16, ... per 128-row tile, pairs of lanes,
+// tiles into 8 groups by t mod 8, then the groups.
+std::vector<float> sums_in_cast_order(const std::vector<float>& y, int64_t rows, int64_t cols) {
+  std::vector<float> dbias(cols);
+  for (int64_t c = 0; c < cols; ++c) {
+    float groups[8] = {};
+    for (int64_t t = 0; t * 128 < rows; ++t) {
+      float tile = 0.0f;
+      for (int q = 0; q < 16; q += 2) {
+        float lane[2] = {0.0f, 0.0f};
+        for (int h = 0; h < 2; ++h) {
+          for (int64_t r = t * 128 + q + h; r < std::min(rows, t * 128 + 128); r += 16) {
+            lane[h] += y[r * cols + c];
+          }
+        }
+        tile += lane[0] + lane[1];
+      }
+      groups[t % 8] += tile;
+    }
+    float sum = 0.0f;
+    for (const float g : groups) sum += g;
+    dbias[c] = std::isnan(sum) ? bits_float(0x7FC00000u) : sum;
+  }
+  return dbias;
+}
+
+TEST(ActivationCastCpu, DbiasIsTheColumnSumOfTheFp32Result) {
+  for (const Activation act : {Activation::kGelu, Activation::kSwiGLU}) {
+    for (const auto& [rows, n] : std::vector<std::pair<int64_t, int64_t>>{
+             {0, 8}, {1, 3}, {37, 45}, {300, 40}, {1157, 24}}) {
+      Case c{act, true, rows, n, Fp8Format::kE4M3};
+      c.dbias = true;
+      Inputs<float> in(c, 31 + rows);
+      for (auto* v : {&in.x, &in.dy}) {
+        for (float& e : *v) e = std::isfinite(e) ? std::clamp(e, -30.0f, 30.0f) : 0.5f;
+      }
+      const Result<float> got = run_cpu(c, in);  // fp32 `out` is the fp32 result itself
+      const int64_t cols = params_of(c, DType::kFloat32).out_cols();
+      EXPECT_TRUE(same_bytes(got.dbias, sums_in_cast_order(got.out, rows, cols)))
+          << describe(c, "fp32");
+      // Each element passes through at most this many fp32 additions.
+      const int64_t depth = 8 + 1 + 8 + (dbias_tiles(rows) + 7) / 8 + 8 + 1;
+      for (int64_t col = 0; col < cols; ++col) {
+        double exact = 0.0, magnitude = 0.0;
+        for (int64_t r = 0; r < rows; ++r) {
+          const double y = reference(c, in.x, in.dy, r, col);
+          exact += y;
+          magnitude += std::fabs(y);
+        }
+        // The fp32 results' own error (16 ulp of max(|y|, 1/8 of its factors), see above) plus
+        // the additions'.
+        EXPECT_NEAR(got.dbias[col], exact, (depth + 16) * std::ldexp(magnitude, -24) + 1e-3)
+            << describe(c, "fp32") << " column " << col;
+      }
+      // The rows of partial sums are those of the cast over the same values.
+      std::vector<float> dbias(cols), partial(dbias_tiles(rows) * cols);
+      column_sums_cpu(got.out.data(), rows, cols, dbias.data(), partial.data());
+      EXPECT_TRUE(same_bytes(got.dbias_partial, partial)) << describe(c, "fp32");
+    }
+  }
+  // Forward: the reference leaves dbias alone (the CUDA launcher rejects it).
+  Case c{Activation::kGelu, false, 5, 8, Fp8Format::kE4M3};
+  c.dbias = true;
+  const Result<float> fwd = run_cpu(c, Inputs<float>(c, 3));
+  EXPECT_TRUE(same_bytes(fwd.dbias, std::vector<float>(8, -1.0f)));
+}
+
 // ---------------------------------------------------------------------------------------------
 // CUDA == CPU, byte for byte.
 
@@ -391,6 +472,42 @@ TEST(ActivationCastCuda, MatchesCpuWhenBlocksWalkSeveralTiles) {
       expect_gpu_matches_cpu<bf16_t>(c, 9);
     }
   }
+#endif
+}
+
+// dbias: both activations, bf16 and fp32, delayed and current scaling, every choice of outputs
+// (the warp sums in the FP8 tiles or in room of their own); rows not a multiple of 128, the
+// element path (n % 8 != 0), and more tiles than resident blocks over more than 8 row tiles.
+TEST(ActivationCastCuda, DbiasMatchesCpuBytes) {
+  TPFP8_REQUIRE_GPU();
+#if defined(TPFP8_WITH_CUDA)
+  uint64_t seed = 40;
+  for (const auto& [rows, n] : std::vector<std::pair<int64_t, int64_t>>{
+           {1, 1}, {300, 45}, {300, 136}, {1157, 520}, {6144, 2048}}) {
+    for (const Activation act : {Activation::kGelu, Activation::kSwiGLU}) {
+      for (const std::optional<float> current : {std::optional<float>{}, {1e-6f}}) {
+        Case c{act, true, rows, n, Fp8Format::kE4M3};
+        c.current = current, c.dbias = true;
+        expect_gpu_matches_cpu<bf16_t>(c, ++seed);
+        expect_gpu_matches_cpu<float>(c, ++seed);
+      }
+    }
+  }
+#endif
+}
+
+TEST(ActivationCastCuda, DbiasNeedsBackwardAndItsWorkspace) {
+  TPFP8_REQUIRE_GPU();
+#if defined(TPFP8_WITH_CUDA)
+  DeviceBuffer<float> x(std::vector<float>(32 * 32, 1.0f)), dbias(32), partial(32);
+  ActivationCastParams p;
+  p.input = x.get(), p.grad = x.get(), p.rows = 32, p.n = 32;
+  p.dbias = dbias.get();
+  EXPECT_EQ(activation_cast_cuda(p, nullptr), cudaErrorInvalidValue);  // forward
+  p.backward = true;
+  EXPECT_EQ(activation_cast_cuda(p, nullptr), cudaErrorInvalidValue);  // no workspace
+  p.dbias_partial = partial.get();
+  EXPECT_EQ(activation_cast_cuda(p, nullptr), cudaSuccess);
 #endif
 }
 
