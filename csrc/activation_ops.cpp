@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include "checks.h"
+#include "dbias_output.h"
 #include "device_dispatch.h"
 #include "kernels/activation_cast.h"
 
@@ -72,9 +73,10 @@ void run(const ActivationCastParams& p, const at::Tensor& input) {
 }
 
 // Fills the outputs of a cast pass (p's scale or scale_amax set by the caller) and runs it.
+// With `dbias` (backward only), also the column sums of dx (kernels/cast.h's order).
 void run_cast(ActivationCastParams& p, const at::Tensor& input, const OptTensor& rowwise,
               const OptTensor& columnwise, const OptTensor& out, const OptTensor& scale_inv,
-              const char* out_name, int64_t fp8_format) {
+              const char* out_name, int64_t fp8_format, const OptTensor& dbias) {
   const int64_t cols = p.out_cols();
   TORCH_CHECK_VALUE(rowwise || columnwise || out,
                     "the fused activation cast needs at least one "
@@ -94,30 +96,36 @@ void run_cast(ActivationCastParams& p, const at::Tensor& input, const OptTensor&
       optional_output(columnwise, "columnwise", {cols, p.rows}, at::kByte, input));
   p.out = optional_output(out, out_name, {p.rows, cols}, input.scalar_type(), input);
   p.scale_inv = optional_scalar(scale_inv, "scale_inv", input);
+  TORCH_CHECK_VALUE(!dbias || p.backward,
+                    "dbias (column sums) comes with the backward's dx, not with act(x)");
+  const DbiasOutput sums(dbias, p.rows, cols, input);
+  p.dbias = sums.sum();
+  p.dbias_partial = sums.partial();
   run(p, input);
+  sums.finish();
 }
 
 void cast_delayed(const at::Tensor* grad, const at::Tensor& input, const at::Tensor& scale,
                   const OptTensor& rowwise, const OptTensor& columnwise, const OptTensor& out,
                   const OptTensor& amax, const OptTensor& scale_inv, int64_t activation,
-                  int64_t fp8_format, const char* out_name) {
+                  int64_t fp8_format, const char* out_name, const OptTensor& dbias = {}) {
   ActivationCastParams p = activation_params(grad, input, activation);
   check_scalar_f32(scale, "scale", input, "input");
   p.scale = scale.data_ptr<float>();
   p.amax = optional_scalar(amax, "amax", input);
-  run_cast(p, input, rowwise, columnwise, out, scale_inv, out_name, fp8_format);
+  run_cast(p, input, rowwise, columnwise, out, scale_inv, out_name, fp8_format, dbias);
 }
 
 void cast_current(const at::Tensor* grad, const at::Tensor& input, const at::Tensor& amax,
                   double epsilon, const OptTensor& rowwise, const OptTensor& columnwise,
                   const OptTensor& out, const OptTensor& scale_inv, int64_t activation,
-                  int64_t fp8_format, const char* out_name) {
+                  int64_t fp8_format, const char* out_name, const OptTensor& dbias = {}) {
   ActivationCastParams p = activation_params(grad, input, activation);
   check_scalar_f32(amax, "amax", input, "input");
   TORCH_CHECK_VALUE(epsilon >= 0.0, "epsilon must be >= 0, got ", epsilon);
   p.scale_amax = amax.data_ptr<float>();
   p.epsilon = static_cast<float>(epsilon);
-  run_cast(p, input, rowwise, columnwise, out, scale_inv, out_name, fp8_format);
+  run_cast(p, input, rowwise, columnwise, out, scale_inv, out_name, fp8_format, dbias);
 }
 
 void amax_pass(const at::Tensor* grad, const at::Tensor& input, at::Tensor& amax,
@@ -153,18 +161,19 @@ void activation_backward_cast(const at::Tensor& grad, const at::Tensor& input,
                               const at::Tensor& scale, const OptTensor& rowwise,
                               const OptTensor& columnwise, const OptTensor& grad_input,
                               const OptTensor& amax, const OptTensor& scale_inv, int64_t activation,
-                              int64_t fp8_format) {
+                              int64_t fp8_format, const OptTensor& dbias) {
   cast_delayed(&grad, input, scale, rowwise, columnwise, grad_input, amax, scale_inv, activation,
-               fp8_format, "grad_input");
+               fp8_format, "grad_input", dbias);
 }
 
 void activation_backward_cast_current(const at::Tensor& grad, const at::Tensor& input,
                                       const at::Tensor& amax, double epsilon,
                                       const OptTensor& rowwise, const OptTensor& columnwise,
                                       const OptTensor& grad_input, const OptTensor& scale_inv,
-                                      int64_t activation, int64_t fp8_format) {
+                                      int64_t activation, int64_t fp8_format,
+                                      const OptTensor& dbias) {
   cast_current(&grad, input, amax, epsilon, rowwise, columnwise, grad_input, scale_inv, activation,
-               fp8_format, "grad_input");
+               fp8_format, "grad_input", dbias);
 }
 
 void activation_backward_amax(const at::Tensor& grad, const at::Tensor& input, at::Tensor& amax,
@@ -194,11 +203,11 @@ TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
   m.def(
       "activation_backward_cast(Tensor grad, Tensor input, Tensor scale, Tensor(a!)? rowwise, "
       "Tensor(b!)? columnwise, Tensor(c!)? grad_input, Tensor(d!)? amax, Tensor(e!)? scale_inv, "
-      "int activation, int fp8_format) -> ()");
+      "int activation, int fp8_format, Tensor(f!)? dbias=None) -> ()");
   m.def(
       "activation_backward_cast_current(Tensor grad, Tensor input, Tensor amax, float epsilon, "
       "Tensor(a!)? rowwise, Tensor(b!)? columnwise, Tensor(c!)? grad_input, "
-      "Tensor(d!)? scale_inv, int activation, int fp8_format) -> ()");
+      "Tensor(d!)? scale_inv, int activation, int fp8_format, Tensor(e!)? dbias=None) -> ()");
   m.def(
       "activation_backward_amax(Tensor grad, Tensor input, Tensor(a!) amax, int activation) -> ()");
 }

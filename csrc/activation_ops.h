@@ -24,17 +24,20 @@ void activation_cast_current(const at::Tensor& input, const at::Tensor& amax, do
 // amax = max(amax, max |act(x)|), nothing else written (current scaling's first pass).
 void activation_amax(const at::Tensor& input, at::Tensor& amax, int64_t activation);
 
-// The same three for the backward's dx = dy * act'(x).
+// The same three for the backward's dx = dy * act'(x); `dbias` ([in_cols], float32 or 16-bit),
+// if given, receives dx's column sums (the bias gradient of the layer before) from the cast pass,
+// in kernels/cast.h's fixed order.
 void activation_backward_cast(const at::Tensor& grad, const at::Tensor& input,
                               const at::Tensor& scale, const OptTensor& rowwise,
                               const OptTensor& columnwise, const OptTensor& grad_input,
                               const OptTensor& amax, const OptTensor& scale_inv, int64_t activation,
-                              int64_t fp8_format);
+                              int64_t fp8_format, const OptTensor& dbias = std::nullopt);
 void activation_backward_cast_current(const at::Tensor& grad, const at::Tensor& input,
                                       const at::Tensor& amax, double epsilon,
                                       const OptTensor& rowwise, const OptTensor& columnwise,
                                       const OptTensor& grad_input, const OptTensor& scale_inv,
-                                      int64_t activation, int64_t fp8_format);
+                                      int64_t activation, int64_t fp8_format,
+                                      const OptTensor& dbias = std::nullopt);
 // act(x) (grad null) or dx = dy * act'(x) (grad: dy) in x's dtype alone, into `out`.
 void activation_high_precision(const at::Tensor* grad, const at::Tensor& input, at::Tensor& out,
                                int64_t activation);

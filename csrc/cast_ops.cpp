@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "checks.h"
+#include "dbias_output.h"
 #include "device_dispatch.h"
 #include "kernels/cast.h"
 #include "kernels/delayed_scaling.h"
@@ -47,21 +48,12 @@ CastParams cast_params(const at::Tensor& input, const at::Tensor& scale, int64_t
 // Runs the cast p describes, also writing the column sums of the input into `dbias` ([cols],
 // float32 or converted to its bfloat16 / float16) when given.
 void run_with_dbias(CastParams& p, const at::Tensor& input, const OptTensor& dbias) {
-  at::Tensor sum, partial;
-  if (dbias) {
-    high_precision_dtype(*dbias, "dbias");
-    check_output(*dbias, "dbias", {p.cols}, dbias->scalar_type(), input);
-    sum = dbias->scalar_type() == at::kFloat
-              ? *dbias
-              : at::empty({p.cols}, dbias->options().dtype(at::kFloat));
-    p.dbias = sum.data_ptr<float>();
-    // The GPU's workspace; the CPU reference keeps its own.
-    if (!input.is_cpu()) partial = at::empty({dbias_tiles(p.rows), p.cols}, sum.options());
-    p.dbias_partial = partial.defined() ? partial.data_ptr<float>() : nullptr;
-  }
+  const DbiasOutput sums(dbias, p.rows, p.cols, input);
+  p.dbias = sums.sum();
+  p.dbias_partial = sums.partial();
   run_on_device(
       input, [&] { cast_cpu(p); }, [&](cudaStream_t s) { return cast_transpose_cuda(p, s); });
-  if (dbias && !sum.is_same(*dbias)) dbias->copy_(sum);
+  sums.finish();
 }
 
 // (p's scale or scale_amax, and amax, are set by the caller.)

@@ -333,8 +333,11 @@ void prologue_grads(Grads& out, const SavedForBackward& s, const LinearConfig& c
                 "internal error: an FP8 gradient handoff needs an activation, FP8, no debugging");
     const auto q = make_quantizer(c, handoff.state, kGrad);
     const at::Tensor dy_c = dy.contiguous();
-    out.dx_fp8 = q->quantize_fused(fused_activation_backward(dy_c, x, s.prologue), handoff.rowwise,
-                                   handoff.columnwise);
+    if (handoff.dbias) out.dx_dbias = at::empty({x.size(1)}, x.options().dtype(at::kFloat));
+    out.dx_fp8 = q->quantize_fused(
+        fused_activation_backward(dy_c, x, s.prologue,
+                                  handoff.dbias ? OptTensor(out.dx_dbias) : std::nullopt),
+        handoff.rowwise, handoff.columnwise);
     out.dx = at::Tensor();
     return;
   }
@@ -416,9 +419,10 @@ Grads linear_backward(const at::Tensor& dy_in, const SavedForBackward& s, const 
   const int64_t n = weight.size(0), k = weight.size(1);
   // A handed-off dy is FP8 already: dy_in then only says where and in what dtype.
   const at::Tensor dy = handoff.dy ? dy_in : as_matrix(dy_in, n);
-  TORCH_CHECK(!handoff.dy || (c.fp8() && !c.debug.active && !gathers_grad(c) && !bias_dtype),
+  TORCH_CHECK(!handoff.dy || (c.fp8() && !c.debug.active && !gathers_grad(c) &&
+                              (!bias_dtype || handoff.dy_dbias.defined())),
               "internal error: an FP8 gradient handoff needs FP8, no debugging, no gathered "
-              "gradient and no bias gradient");
+              "gradient, and the column sums where there is a bias gradient");
   const auto xq = make_quantizer(c, state, kInput), wq = make_quantizer(c, state, kWeight),
              gq = make_quantizer(c, state, kGrad);
   const at::Tensor x_saved = s.x ? as_matrix(*s.x, k) : at::Tensor();
@@ -439,6 +443,7 @@ Grads linear_backward(const at::Tensor& dy_in, const SavedForBackward& s, const 
   const int64_t rows = handoff.dy
                            ? (g.q.rowwise.defined() ? g.q.rowwise.size(0) : g.q.columnwise.size(1))
                            : dy.size(0);
+  if (handoff.dy && bias_dtype) db = handoff.dy_dbias;
   // 3. dgrad, then (column parallel) its reduction, in flight during wgrad.
   Grads out;
   WorkPtr dx_work;
@@ -481,7 +486,8 @@ Grads linear_backward(const at::Tensor& dy_in, const SavedForBackward& s, const 
   if (bias_dtype) {
     if (!db.defined()) db = dy.sum(0, false, at::kFloat);
     if (gathers_grad(c)) all_reduce(db, *c.tp_group, c10d::ReduceOp::SUM);
-    out.db = db.to(*bias_dtype);
+    // (A handed-in sum is the caller's tensor: the op's output must not alias it.)
+    out.db = db.to(*bias_dtype, /*non_blocking=*/false, /*copy=*/handoff.dy != nullptr);
   }
   // (As forward's: ops return tensors.)
   for (at::Tensor* t : {&out.dx, &out.dw, &out.db, &out.dprologue_weight, &out.dprologue_bias}) {
@@ -490,7 +496,9 @@ Grads linear_backward(const at::Tensor& dy_in, const SavedForBackward& s, const 
   for (at::Tensor* t : {&out.dx_fp8.rowwise, &out.dx_fp8.columnwise}) {
     if (!t->defined()) *t = nothing(dy, at::kByte);
   }
-  if (!out.dx_fp8.scale_inv.defined()) out.dx_fp8.scale_inv = nothing(dy, at::kFloat);
+  for (at::Tensor* t : {&out.dx_fp8.scale_inv, &out.dx_dbias}) {
+    if (!t->defined()) *t = nothing(dy, at::kFloat);
+  }
   return out;
 }
 

@@ -139,19 +139,21 @@ struct Grads {
   // Empty placeholders where not asked for (dw: also when fused into main_grad; the
   // prologue's weight and bias gradients without a norm).
   at::Tensor dx, dw, db, dprologue_weight, dprologue_bias;
-  // dx in FP8 instead, where the caller asked for it (GradHandoff).
+  // dx in FP8 instead, where the caller asked for it (GradHandoff), and its column sums.
   Fp8Tensor dx_fp8;
+  at::Tensor dx_dbias;
 };
 // The gradient handed between the two Linears of an MLP (fc1 -> activation -> fc2) in FP8:
 // fc2's backward casts the activation's input gradient, in the activation backward's own pass,
 // with fc1's gradient quantizer (`state`: fc1's scale and gradient amax history, under fc2's
-// recipe, which is fc1's), producing the usages fc1's GEMMs read; fc1's backward takes them as
-// its dy. fc1's bias gradient would need dy's column sums, which that pass does not make: the
-// caller hands off only when fc1 has no bias gradient to compute.
+// recipe, which is fc1's), producing the usages fc1's GEMMs read, and with `dbias` the column
+// sums of that gradient from the same pass (fc1's bias gradient, float32); fc1's backward takes
+// them as its dy and its db.
 struct GradHandoff {
   DelayedState state;  // give: fc1's (scale, grad_amax_history)
-  bool rowwise = false, columnwise = false;
+  bool rowwise = false, columnwise = false, dbias = false;
   const Fp8Tensor* dy = nullptr;  // take: fc2's cast of this layer's dy
+  at::Tensor dy_dbias;            // and its column sums, where this layer has a bias gradient
   bool gives() const { return rowwise || columnwise; }
 };
 // main_grad, when given, receives wgrad (overwritten or accumulated); else dW is returned.

@@ -6,8 +6,9 @@
 //
 // The MLP is one op so that its backward can hand fc1 its gradient in FP8: fc2's backward casts
 // the activation's input gradient in the activation backward's own pass, with fc1's gradient
-// quantizer (GradHandoff, linear.h), instead of writing it in high precision for fc1 to read
-// and cast again. Two autograd nodes could only pass fc1 a high-precision tensor.
+// quantizer (GradHandoff, linear.h), with its column sums where fc1 has a bias, instead of
+// writing it in high precision for fc1 to read and cast again. Two autograd nodes could only
+// pass fc1 a high-precision tensor.
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -28,15 +29,15 @@ using ForwardOp = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at:
     int64_t, double, int64_t, bool, int64_t, bool, c10::string_view, at::IntArrayRef, bool, bool,
     const OptTensor&, const OptTensor&, int64_t, double, bool);
 using BackwardOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                                   at::Tensor, at::Tensor, at::Tensor>;
+                                   at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using BackwardOp = BackwardOutputs(
     const at::Tensor&, const OptTensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&,
     bool, int64_t, int64_t, int64_t, double, bool, int64_t, bool, c10::string_view, at::IntArrayRef,
     c10::SymIntArrayRef, at::ScalarType, std::optional<at::ScalarType>, bool, bool,
     const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
-    int64_t, const OptTensor&, const OptTensor&, const OptTensor&, bool, bool, const OptTensor&,
-    const OptTensor&, const OptTensor&);
+    int64_t, const OptTensor&, const OptTensor&, const OptTensor&, bool, bool, bool,
+    const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&);
 
 const c10::TypedOperatorHandle<ForwardOp>& forward_op() {
   static const auto op = c10::Dispatcher::singleton()
@@ -212,8 +213,8 @@ OptTensor saved_or_none(const variable_list& saved, size_t i, bool wanted = true
 // What a layer's backward gives to (the MLP's fc2) or takes from (fc1) the FP8 handoff.
 struct Handoff {
   OptTensor scale, grad_amax_history;
-  bool rowwise = false, columnwise = false;
-  OptTensor dy_rowwise, dy_columnwise, dy_scale_inv;
+  bool rowwise = false, columnwise = false, dbias = false;
+  OptTensor dy_rowwise, dy_columnwise, dy_scale_inv, dy_dbias;
 };
 
 // A layer's backward from `saved` (its kSavedPerLayer tensors from `first` on).
@@ -232,8 +233,8 @@ BackwardOutputs layer_backward(const at::Tensor& dy, const variable_list& saved,
       s.x_dtype, s.need_db ? s.bias_dtype : std::nullopt, s.need_dgrad(), s.need_wgrad(),
       at(kPrologueInput), at(kPrologueWeightSaved), s.prologue_bias,
       at(kMean, c.prologue_kind() == Prologue::kLayerNorm), at(kRstd, c.norm()), c.prologue,
-      output_grad, h.scale, h.grad_amax_history, h.rowwise, h.columnwise, h.dy_rowwise,
-      h.dy_columnwise, h.dy_scale_inv);
+      output_grad, h.scale, h.grad_amax_history, h.rowwise, h.columnwise, h.dbias, h.dy_rowwise,
+      h.dy_columnwise, h.dy_scale_inv, h.dy_dbias);
 }
 
 // A layer's gradients into `out`, at the positions of its differentiable inputs (x, weight,
@@ -315,15 +316,15 @@ variable_list LinearAutograd::differentiable_backward(const at::Tensor& dy,
 }
 
 // Whether fc2 can hand fc1 its gradient in FP8 (GradHandoff): FP8 without debugging (which
-// needs the high-precision values), an activation between them, and no bias gradient for fc1
-// (the handoff's pass makes no column sums); not to a row-parallel fc1 with sequence
-// parallelism, which gathers its gradient in its own cast.
+// needs the high-precision values) and an activation between them (its pass also makes fc1's
+// bias gradient); not to a row-parallel fc1 with sequence parallelism, which gathers its
+// gradient in its own cast.
 bool hands_off(const Saved& fc1, const Saved& fc2) {
   const Config& c = fc2.c;
   const bool fc1_gathers =
       fc1.c.parallel_mode == static_cast<int64_t>(ParallelMode::kRow) && fc1.c.sequence_parallel;
-  return c.scaling != 0 && c.debug.empty() && !c.norm() && c.prologue != 0 && !fc1.need_db &&
-         fc2.need_dx && !fc1_gathers;
+  return c.scaling != 0 && c.debug.empty() && !c.norm() && c.prologue != 0 && fc2.need_dx &&
+         !fc1_gathers;
 }
 
 struct MlpAutograd : torch::autograd::Function<MlpAutograd> {
@@ -351,7 +352,7 @@ struct MlpAutograd : torch::autograd::Function<MlpAutograd> {
     variable_list out(kInputs);
     Handoff give;
     if (hands_off(*s1, *s2)) {
-      give = {s1->scale, s1->grad_amax_history, s1->need_dgrad(), s1->need_wgrad()};
+      give = {s1->scale, s1->grad_amax_history, s1->need_dgrad(), s1->need_wgrad(), s1->need_db};
     }
     const auto g2 = layer_backward(grads[0], saved, kSavedPerLayer, *s2, std::nullopt, give);
     place_grads(g2, *s2, out, {-1, 5, 6, -1, -1});
@@ -363,6 +364,7 @@ struct MlpAutograd : torch::autograd::Function<MlpAutograd> {
       take.dy_rowwise = std::get<5>(g2);
       take.dy_columnwise = std::get<6>(g2);
       take.dy_scale_inv = std::get<7>(g2);
+      if (s1->need_db) take.dy_dbias = std::get<8>(g2);
       // (dy itself is FP8 here: an empty tensor says where and in what dtype)
       const at::Tensor where = grads[0].new_empty({0}, grads[0].options().dtype(s1->x_dtype));
       g1 = layer_backward(where, saved, 0, *s1, norm_grad, take);

@@ -17,7 +17,7 @@ thread_local bool forward_vetted = false;
 using ForwardOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                                   at::Tensor, at::Tensor, at::Tensor>;
 using BackwardOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                                   at::Tensor, at::Tensor, at::Tensor>;
+                                   at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 bool in_compiled_backward() {
   const auto node = torch::autograd::get_current_node();
@@ -58,8 +58,8 @@ BackwardOutputs backward_op(
     const OptTensor& prologue_weight, const OptTensor& prologue_bias, const OptTensor& mean,
     const OptTensor& rstd, int64_t prologue, const OptTensor& prologue_output_grad,
     const OptTensor& handoff_scale, const OptTensor& handoff_grad_amax_history,
-    bool handoff_rowwise, bool handoff_columnwise, const OptTensor& dy_rowwise,
-    const OptTensor& dy_columnwise, const OptTensor& dy_scale_inv) {
+    bool handoff_rowwise, bool handoff_columnwise, bool handoff_dbias, const OptTensor& dy_rowwise,
+    const OptTensor& dy_columnwise, const OptTensor& dy_scale_inv, const OptTensor& dy_dbias) {
   const LinearConfig c =
       linear_config(scaling, fwd_format, grad_format, epsilon, 0, save_original_input,
                     parallel_mode, sequence_parallel, std::string(group_name), debug);
@@ -77,7 +77,8 @@ BackwardOutputs backward_op(
   GradHandoff handoff{
       {handoff_scale.value_or(at::Tensor()), {}, handoff_grad_amax_history.value_or(at::Tensor())},
       handoff_rowwise,
-      handoff_columnwise};
+      handoff_columnwise,
+      handoff_dbias};
   Fp8Tensor handed;
   if (dy_scale_inv) {
     handed = {dy_rowwise.value_or(at::Tensor()), dy_columnwise.value_or(at::Tensor()),
@@ -86,6 +87,7 @@ BackwardOutputs backward_op(
         (!need_dgrad || handed.rowwise.defined()) && (!need_wgrad || handed.columnwise.defined()),
         "an FP8 dy needs its row-wise data for dgrad and column-wise for wgrad");
     handoff.dy = &handed;
+    handoff.dy_dbias = dy_dbias.value_or(at::Tensor());
   }
   const Grads g = linear_backward(dy, saved, weight, c, state, main_grad, main_grad_overwrite,
                                   need_dgrad, need_wgrad, bias_dtype, handoff);
@@ -96,7 +98,8 @@ BackwardOutputs backward_op(
           g.dprologue_bias,
           g.dx_fp8.rowwise,
           g.dx_fp8.columnwise,
-          g.dx_fp8.scale_inv};
+          g.dx_fp8.scale_inv,
+          g.dx_dbias};
 }
 
 }  // namespace
@@ -157,10 +160,11 @@ TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
       "Tensor? prologue_input=None, Tensor? prologue_weight=None, Tensor? prologue_bias=None, "
       "Tensor? mean=None, Tensor? rstd=None, int prologue=0, Tensor? prologue_output_grad=None, "
       "Tensor? handoff_scale=None, Tensor(c!)? handoff_grad_amax_history=None, "
-      "bool handoff_rowwise=False, bool handoff_columnwise=False, Tensor? dy_rowwise=None, "
-      "Tensor? dy_columnwise=None, Tensor? dy_scale_inv=None) "
+      "bool handoff_rowwise=False, bool handoff_columnwise=False, bool handoff_dbias=False, "
+      "Tensor? dy_rowwise=None, Tensor? dy_columnwise=None, Tensor? dy_scale_inv=None, "
+      "Tensor? dy_dbias=None) "
       "-> (Tensor dx, Tensor dw, Tensor db, Tensor dprologue_weight, Tensor dprologue_bias, "
-      "Tensor dx_rowwise, Tensor dx_columnwise, Tensor dx_scale_inv)");
+      "Tensor dx_rowwise, Tensor dx_columnwise, Tensor dx_scale_inv, Tensor dx_dbias)");
 }
 
 TORCH_LIBRARY_IMPL(tpfp8, CPU, m) {

@@ -111,7 +111,7 @@ FusedCast fused_prologue(const at::Tensor& x, const PrologueArgs& p, PrologueSta
 }
 
 FusedCast fused_activation_backward(const at::Tensor& dy, const at::Tensor& x,
-                                    const PrologueArgs& p) {
+                                    const PrologueArgs& p, const OptTensor& dbias) {
   TORCH_CHECK(!p.norm() && p.any(), "internal error: a fused backward cast needs an activation");
   FusedCast f;
   f.rows = x.size(0);
@@ -122,15 +122,15 @@ FusedCast fused_activation_backward(const at::Tensor& dy, const at::Tensor& x,
     at::Tensor a = amax;
     activation_backward_amax(dy, x, a, code);
   };
-  f.cast = [&dy, &x, code](const Fp8Tensor& q, const CastScale& s) {
+  f.cast = [&dy, &x, code, dbias](const Fp8Tensor& q, const CastScale& s) {
     const auto format = static_cast<int64_t>(q.format);
     if (s.scale_amax) {
       activation_backward_cast_current(dy, x, *s.scale_amax, s.epsilon, defined(q.rowwise),
                                        defined(q.columnwise), std::nullopt, q.scale_inv, code,
-                                       format);
+                                       format, dbias);
     } else {
       activation_backward_cast(dy, x, *s.scale, defined(q.rowwise), defined(q.columnwise),
-                               std::nullopt, s.amax, q.scale_inv, code, format);
+                               std::nullopt, s.amax, q.scale_inv, code, format, dbias);
     }
   };
   return f;

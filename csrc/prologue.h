@@ -43,9 +43,10 @@ FusedCast fused_prologue(const at::Tensor& x, const PrologueArgs& p, PrologueSta
                          const at::Tensor& hp_out);
 
 // An activation's backward, dx = dy * act'(x), with the FP8 cast of dx in its pass (the
-// gradient of LayerNormMLP's fc1 output, cast with fc1's gradient quantizer).
+// gradient of LayerNormMLP's fc1 output, cast with fc1's gradient quantizer); `dbias` (float32
+// [x's columns]), if given, receives dx's column sums from the cast pass (fc1's bias gradient).
 FusedCast fused_activation_backward(const at::Tensor& dy, const at::Tensor& x,
-                                    const PrologueArgs& p);
+                                    const PrologueArgs& p, const OptTensor& dbias = std::nullopt);
 
 struct PrologueGrads {
   at::Tensor dx, dweight, dbias;  // dweight / dbias: a norm's, undefined for an activation

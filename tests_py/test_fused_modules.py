@@ -139,8 +139,8 @@ def mlp_and_composition(device, activation, bias=True, dtype=torch.float32):
 @pytest.mark.parametrize("bias", [True, False])
 def test_mlp_equals_its_composition(device, recipe, activation, bias):
     """fp32, where the activation's FP8 codes (cast from its fp32 value) equal the cast of its
-    high-precision output; and so do fc1's gradient codes handed over in FP8 (bias=False) and
-    the cast of the high-precision gradient (bias=True: fc1's bias gradient needs it)."""
+    high-precision output; and so do fc1's gradient codes handed over in FP8 and the cast of
+    the high-precision gradient, and (bias=True) their column sums, fc1's bias gradient."""
     mlp, ref, ref_params, fc2 = mlp_and_composition(device, activation, bias)
     x = torch.randn(48, 64, device=device)
     for i in range(3):
@@ -168,12 +168,12 @@ class _BackwardCalls(torch.utils._python_dispatch.TorchDispatchMode):
 
 @pytest.mark.parametrize("bias, debug, recipe, handed", [
     (False, False, "delayed", True), (False, False, "current", True),
-    (True, False, "delayed", False), (False, True, "delayed", False),
-    (False, False, "high precision", False)])
+    (True, False, "delayed", True), (True, False, "current", True),
+    (False, True, "delayed", False), (False, False, "high precision", False)])
 def test_mlp_backward_hands_fc1_its_gradient_in_fp8(bias, debug, recipe, handed):
-    """fc2's backward casts fc1's gradient in the activation backward's pass, and fc1's
-    backward takes it; not where fc1's bias needs the high-precision gradient, when debugging
-    or outside FP8."""
+    """fc2's backward casts fc1's gradient in the activation backward's pass (with its column
+    sums, fc1's bias gradient, where fc1 has a bias), and fc1's backward takes it; not when
+    debugging or outside FP8."""
     mlp, *_ = mlp_and_composition("cpu", "swiglu", bias)
     mlp.fc2.name = "probe"
     if debug:

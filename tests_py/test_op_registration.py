@@ -130,12 +130,12 @@ def linear_samples(device, x, f32, u8, g):
             dy, None, x_codes, f32(0.5), w, codes, f32(0.25), *state(1), None, False,
             *config(delayed)[:4], False, 0, False, "", [], [32, 64], torch.bfloat16, None, True,
             True, x, None, None, None, None, 3, None, f32(1.0, 2.0, 4.0),
-            torch.zeros(1, 8, device=device), True, True),
+            torch.zeros(1, 8, device=device), True, True, True),
         "linear_backward fp8 dy": (
             dy.new_empty(0), None, x_codes, f32(0.5), w, codes, f32(0.25), *state(1), None,
             False, *config(delayed)[:4], False, 0, False, "", [], [32, 64], torch.bfloat16,
-            None, True, True, None, None, None, None, None, 0, None, None, None, False, False,
-            dy_codes, dy_codes.t().contiguous(), f32(0.125)),
+            torch.float32, True, True, None, None, None, None, None, 0, None, None, None, False,
+            False, False, dy_codes, dy_codes.t().contiguous(), f32(0.125), f32(*range(48))),
         **mlp_samples(device, x, state, config, g),
         "linear_backward high precision": (
             dy, x, u8(0), f32(), w.bfloat16(), u8(0), f32(), None, None, None, False,

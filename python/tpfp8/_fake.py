@@ -104,8 +104,8 @@ def _linear_backward(dy, x, x_fp8, x_scale_inv, weight, w_fp8, w_scale_inv, scal
                      prologue_input=None, prologue_weight=None, prologue_bias=None, mean=None,
                      rstd=None, prologue=0, prologue_output_grad=None, handoff_scale=None,
                      handoff_grad_amax_history=None, handoff_rowwise=False,
-                     handoff_columnwise=False, dy_rowwise=None, dy_columnwise=None,
-                     dy_scale_inv=None):
+                     handoff_columnwise=False, handoff_dbias=False, dy_rowwise=None,
+                     dy_columnwise=None, dy_scale_inv=None, dy_dbias=None):
     def nothing(dtype=None):  # (a placeholder for a gradient not asked for)
         return dy.new_empty(0, dtype=dtype)
     handoff = handoff_rowwise or handoff_columnwise
@@ -128,7 +128,8 @@ def _linear_backward(dy, x, x_fp8, x_scale_inv, weight, w_fp8, w_scale_inv, scal
     dx_rowwise = dy.new_empty(rows, cols, dtype=u8) if handoff_rowwise else nothing(u8)
     dx_columnwise = dy.new_empty(cols, rows, dtype=u8) if handoff_columnwise else nothing(u8)
     dx_scale_inv = dy.new_empty(1 if handoff else 0, dtype=torch.float32)
-    return dx, dw, db, dpw, dpb, dx_rowwise, dx_columnwise, dx_scale_inv
+    dx_dbias = dy.new_empty(cols if handoff and handoff_dbias else 0, dtype=torch.float32)
+    return dx, dw, db, dpw, dpb, dx_rowwise, dx_columnwise, dx_scale_inv, dx_dbias
 
 
 @torch.library.register_fake("tpfp8::linear")

@@ -224,10 +224,9 @@ class LayerNormMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         """fc1 and fc2 as one op (torch.ops.tpfp8.mlp), so that in FP8 fc2's backward hands
-        fc1 its gradient already cast: the activation's backward writes fc1's FP8 gradient
-        in its own pass, with fc1's gradient scale (not when debugging, or when fc1's bias
-        needs a gradient: that pass makes no column sums). The submodules' own forward hooks
-        do not run here."""
+        fc1 its gradient already cast: the activation's backward writes fc1's FP8 gradient,
+        and its column sums (fc1's bias gradient), in its own pass, with fc1's gradient scale
+        (not when debugging). The submodules' own forward hooks do not run here."""
         fc1, fc2 = self.fc1, self.fc2
         first = fc1._begin(x, is_first_microbatch)
         second = fc2._begin(first.x, is_first_microbatch, input_needs_grad=first.gives_grad())

@@ -161,13 +161,15 @@ _ACTIVATIONS = {"gelu": 0, "swiglu": 1}
 class Activated(NamedTuple):
     """Result of a fused activation cast: FP8 row-wise ``[M, N]`` and/or column-wise ``[N, M]``
     codes of the result (``act(x)``, or ``dx`` in backward), the fp32 amax buffer its max|.|
-    was folded into, ``scale_inv = 1 / scale``, and the result in x's dtype if asked for."""
+    was folded into, ``scale_inv = 1 / scale``, the result in x's dtype if asked for, and (the
+    backward, if asked for) dx's fp32 column sums: the bias gradient of the layer before."""
 
     rowwise: Optional[torch.Tensor]
     columnwise: Optional[torch.Tensor]
     amax: torch.Tensor
     scale_inv: torch.Tensor
     out: Optional[torch.Tensor]
+    dbias: Optional[torch.Tensor] = None
 
 
 def _activation_code(activation: str) -> int:
@@ -241,10 +243,11 @@ def activation_backward_cast(grad: torch.Tensor, x: torch.Tensor, scale: torch.T
                              activation: str = "gelu", fp8_format="e5m2", *,
                              rowwise: bool = True, columnwise: bool = True,
                              high_precision: bool = False, amax: Optional[torch.Tensor] = None,
-                             scale_inv: Optional[torch.Tensor] = None) -> Activated:
+                             scale_inv: Optional[torch.Tensor] = None,
+                             dbias: bool = False) -> Activated:
     """The backward of :func:`activation_cast`: ``dx = grad * act'(x)`` written straight as FP8
     row-wise and/or column-wise (fc1's dgrad and wgrad operands), ``max|dx|`` folded into
-    ``amax``.
+    ``amax``; with ``dbias``, also dx's column sums (fp32, in the cast's fixed order).
 
     ``grad`` is the gradient of ``act(x)`` ``[M, N]`` in x's dtype, ``x`` the saved
     pre-activation; ``dx`` has x's shape (for SwiGLU ``[M, 2N]``: ``[da | db]``), whose width
@@ -253,9 +256,15 @@ def activation_backward_cast(grad: torch.Tensor, x: torch.Tensor, scale: torch.T
     row, col, out = _activation_outputs(x, activation, True, rowwise, columnwise, high_precision)
     amax = _scalar(x) if amax is None else amax
     scale_inv = _scalar(x) if scale_inv is None else scale_inv
+    sums = _column_sums(x) if dbias else None
     _ops.activation_backward_cast(grad, x, scale, row, col, out, amax, scale_inv,
-                                  _activation_code(activation), int(Fp8Format.parse(fp8_format)))
-    return Activated(row, col, amax, scale_inv, out)
+                                  _activation_code(activation), int(Fp8Format.parse(fp8_format)),
+                                  sums)
+    return Activated(row, col, amax, scale_inv, out, sums)
+
+
+def _column_sums(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(x.shape[1], dtype=torch.float32, device=x.device)
 
 
 def activation_backward_amax(grad: torch.Tensor, x: torch.Tensor, activation: str = "gelu",
@@ -271,7 +280,8 @@ def activation_backward_cast_current(grad: torch.Tensor, x: torch.Tensor,
                                      amax: Optional[torch.Tensor] = None, epsilon: float = 0.0,
                                      rowwise: bool = True, columnwise: bool = True,
                                      high_precision: bool = False,
-                                     scale_inv: Optional[torch.Tensor] = None) -> Activated:
+                                     scale_inv: Optional[torch.Tensor] = None,
+                                     dbias: bool = False) -> Activated:
     """:func:`activation_backward_cast` with current scaling, as
     :func:`activation_cast_current` (``amax``: of dx, computed first when not given)."""
     code = _activation_code(activation)
@@ -279,9 +289,10 @@ def activation_backward_cast_current(grad: torch.Tensor, x: torch.Tensor,
         amax = activation_backward_amax(grad, x, activation)
     row, col, out = _activation_outputs(x, activation, True, rowwise, columnwise, high_precision)
     scale_inv = _scalar(x) if scale_inv is None else scale_inv
+    sums = _column_sums(x) if dbias else None
     _ops.activation_backward_cast_current(grad, x, amax, float(epsilon), row, col, out,
-                                          scale_inv, code, int(Fp8Format.parse(fp8_format)))
-    return Activated(row, col, amax, scale_inv, out)
+                                          scale_inv, code, int(Fp8Format.parse(fp8_format)), sums)
+    return Activated(row, col, amax, scale_inv, out, sums)
 
 
 _GEMM_TYPES = {torch.float32: int(_C.GemmType.FLOAT32), torch.bfloat16: int(_C.GemmType.BFLOAT16),
