@@ -64,9 +64,7 @@ struct Config {
   double prologue_eps = 0.0;
   bool keep_prologue_output = false;
   Prologue prologue_kind() const { return static_cast<Prologue>(prologue); }
-  bool norm() const {
-    return prologue_kind() == Prologue::kLayerNorm || prologue_kind() == Prologue::kRMSNorm;
-  }
+  bool norm() const { return is_norm(prologue_kind()); }
 };
 
 // A layer's differentiable tensors.
@@ -355,7 +353,7 @@ struct MlpAutograd : torch::autograd::Function<MlpAutograd> {
       give = {s1->scale, s1->grad_amax_history, s1->need_dgrad(), s1->need_wgrad(), s1->need_db};
     }
     const auto g2 = layer_backward(grads[0], saved, kSavedPerLayer, *s2, std::nullopt, give);
-    place_grads(g2, *s2, out, {-1, 5, 6, -1, -1});
+    place_grads(g2, *s2, out, {-1, 5, 6, -1, -1});  // (forward's w2, b2; fc2's x is internal)
     const OptTensor norm_grad = returned_output_grad(s1->c, grads[1]);
     if (!s2->need_dx) return out;
     BackwardOutputs g1;

@@ -19,6 +19,38 @@ void make_stats(const at::Tensor& x, const PrologueArgs& p, PrologueStats& stats
 
 OptTensor defined(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 
+// act(x) (dy null) or its backward dx = dy * act'(x), cast to FP8 in the same pass; `out`
+// receives the result in x's dtype, `dbias` (backward) its column sums.
+FusedCast fused_activation(const at::Tensor* dy, const at::Tensor& x, const PrologueArgs& p,
+                           const OptTensor& out, const OptTensor& dbias) {
+  FusedCast f;
+  f.rows = x.size(0);
+  f.cols = dy || p.kind != Prologue::kSwiGLU ? x.size(1) : x.size(1) / 2;
+  f.options = x.options();
+  const int64_t code = activation_code(p);
+  f.amax = [dy, &x, code](const at::Tensor& amax) {
+    at::Tensor a = amax;
+    dy ? activation_backward_amax(*dy, x, a, code) : activation_amax(x, a, code);
+  };
+  f.cast = [dy, &x, code, out, dbias](const Fp8Tensor& q, const CastScale& s) {
+    const auto format = static_cast<int64_t>(q.format);
+    const OptTensor row = defined(q.rowwise), col = defined(q.columnwise);
+    if (s.scale_amax && dy) {
+      activation_backward_cast_current(*dy, x, *s.scale_amax, s.epsilon, row, col, out, q.scale_inv,
+                                       code, format, dbias);
+    } else if (s.scale_amax) {
+      activation_cast_current(x, *s.scale_amax, s.epsilon, row, col, out, q.scale_inv, code,
+                              format);
+    } else if (dy) {
+      activation_backward_cast(*dy, x, *s.scale, row, col, out, s.amax, q.scale_inv, code, format,
+                               dbias);
+    } else {
+      activation_cast(x, *s.scale, row, col, out, s.amax, q.scale_inv, code, format);
+    }
+  };
+  return f;
+}
+
 }  // namespace
 
 PrologueArgs prologue_args(int64_t kind, const OptTensor& weight, const OptTensor& bias,
@@ -75,37 +107,20 @@ at::Tensor prologue_high_precision(const at::Tensor& x, const PrologueArgs& p,
 
 FusedCast fused_prologue(const at::Tensor& x, const PrologueArgs& p, PrologueStats& stats,
                          const at::Tensor& hp_out) {
+  const OptTensor out = defined(hp_out);
+  if (!p.norm()) return fused_activation(nullptr, x, p, out, std::nullopt);
   FusedCast f;
   f.rows = x.size(0);
-  f.cols = p.kind == Prologue::kSwiGLU ? x.size(1) / 2 : x.size(1);
+  f.cols = x.size(1);
   f.options = x.options();
-  const OptTensor out = defined(hp_out);
-  if (p.norm()) {
-    make_stats(x, p, stats);
-    f.amax = [&x, &p](const at::Tensor& amax) {
-      norm_amax(x, *p.weight, p.bias, rms(p), p.eps, amax);
-    };
-    f.cast = [&x, &p, &stats, out](const Fp8Tensor& q, const CastScale& s) {
-      norm_cast_from(x, *p.weight, p.bias, rms(p), p.eps, s.scale, s.scale_amax, s.epsilon, out,
-                     defined(q.rowwise), defined(q.columnwise), s.amax, q.scale_inv,
-                     defined(stats.mean), stats.rstd, static_cast<int64_t>(q.format));
-    };
-    return f;
-  }
-  const int64_t code = activation_code(p);
-  f.amax = [&x, code](const at::Tensor& amax) {
-    at::Tensor a = amax;
-    activation_amax(x, a, code);
+  make_stats(x, p, stats);
+  f.amax = [&x, &p](const at::Tensor& amax) {
+    norm_amax(x, *p.weight, p.bias, rms(p), p.eps, amax);
   };
-  f.cast = [&x, code, out](const Fp8Tensor& q, const CastScale& s) {
-    const auto format = static_cast<int64_t>(q.format);
-    if (s.scale_amax) {
-      activation_cast_current(x, *s.scale_amax, s.epsilon, defined(q.rowwise),
-                              defined(q.columnwise), out, q.scale_inv, code, format);
-    } else {
-      activation_cast(x, *s.scale, defined(q.rowwise), defined(q.columnwise), out, s.amax,
-                      q.scale_inv, code, format);
-    }
+  f.cast = [&x, &p, &stats, out](const Fp8Tensor& q, const CastScale& s) {
+    norm_cast_from(x, *p.weight, p.bias, rms(p), p.eps, s.scale, s.scale_amax, s.epsilon, out,
+                   defined(q.rowwise), defined(q.columnwise), s.amax, q.scale_inv,
+                   defined(stats.mean), stats.rstd, static_cast<int64_t>(q.format));
   };
   return f;
 }
@@ -113,27 +128,7 @@ FusedCast fused_prologue(const at::Tensor& x, const PrologueArgs& p, PrologueSta
 FusedCast fused_activation_backward(const at::Tensor& dy, const at::Tensor& x,
                                     const PrologueArgs& p, const OptTensor& dbias) {
   TORCH_CHECK(!p.norm() && p.any(), "internal error: a fused backward cast needs an activation");
-  FusedCast f;
-  f.rows = x.size(0);
-  f.cols = x.size(1);
-  f.options = x.options();
-  const int64_t code = activation_code(p);
-  f.amax = [&dy, &x, code](const at::Tensor& amax) {
-    at::Tensor a = amax;
-    activation_backward_amax(dy, x, a, code);
-  };
-  f.cast = [&dy, &x, code, dbias](const Fp8Tensor& q, const CastScale& s) {
-    const auto format = static_cast<int64_t>(q.format);
-    if (s.scale_amax) {
-      activation_backward_cast_current(dy, x, *s.scale_amax, s.epsilon, defined(q.rowwise),
-                                       defined(q.columnwise), std::nullopt, q.scale_inv, code,
-                                       format, dbias);
-    } else {
-      activation_backward_cast(dy, x, *s.scale, defined(q.rowwise), defined(q.columnwise),
-                               std::nullopt, s.amax, q.scale_inv, code, format, dbias);
-    }
-  };
-  return f;
+  return fused_activation(&dy, x, p, std::nullopt, dbias);
 }
 
 PrologueGrads prologue_backward(const at::Tensor& dy, const at::Tensor& x, const PrologueArgs& p,

@@ -13,12 +13,16 @@ namespace tpfp8 {
 
 enum class Prologue : int { kNone = 0, kLayerNorm = 1, kRMSNorm = 2, kGelu = 3, kSwiGLU = 4 };
 
+inline bool is_norm(Prologue kind) {
+  return kind == Prologue::kLayerNorm || kind == Prologue::kRMSNorm;
+}
+
 struct PrologueArgs {
   Prologue kind = Prologue::kNone;
   OptTensor weight, bias;  // a norm's gamma and (LayerNorm, optional) beta, [K]
   double eps = 0.0;
   bool any() const { return kind != Prologue::kNone; }
-  bool norm() const { return kind == Prologue::kLayerNorm || kind == Prologue::kRMSNorm; }
+  bool norm() const { return is_norm(kind); }
   // The input's width for an output `cols` wide (SwiGLU's input is [a | b]).
   int64_t input_cols(int64_t cols) const { return kind == Prologue::kSwiGLU ? 2 * cols : cols; }
 };

@@ -13,7 +13,7 @@ import torch.fx
 from torch import nn
 
 from . import _C
-from .module import Linear
+from .module import Linear, _run_op
 
 _NORMS = {"LayerNorm": int(_C.Prologue.LAYER_NORM), "RMSNorm": int(_C.Prologue.RMS_NORM)}
 _ACTIVATIONS = {"gelu": int(_C.Prologue.GELU), "swiglu": int(_C.Prologue.SWIGLU)}
@@ -230,14 +230,8 @@ class LayerNormMLP(nn.Module):
         fc1, fc2 = self.fc1, self.fc2
         first = fc1._begin(x, is_first_microbatch)
         second = fc2._begin(first.x, is_first_microbatch, input_needs_grad=first.gives_grad())
-        vet = first.vet or second.vet
-        if vet:  # (as Linear.forward)
-            _C.set_forward_vetted(True)
-        try:
-            y, normalized = torch.ops.tpfp8.mlp(first.x, *first.op_args, *second.op_args)
-        finally:
-            if vet:
-                _C.set_forward_vetted(False)
+        y, normalized = _run_op(first.vet or second.vet, torch.ops.tpfp8.mlp, first.x,
+                                *first.op_args, *second.op_args)
         fc1._end(first)
         fc2._end(second)
         return (y, normalized) if self.return_layernorm_output else y

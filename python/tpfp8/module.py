@@ -367,13 +367,7 @@ class Linear(nn.Linear):
         On the meta device it gives the output's shape and dtype and keeps nothing.
         """
         call = self._begin(x, is_first_microbatch)
-        if call.vet:  # inside backward: the op refuses forwards the module did not check
-            _C.set_forward_vetted(True)
-        try:
-            y, prologue_out = torch.ops.tpfp8.linear(call.x, *call.op_args)
-        finally:
-            if call.vet:
-                _C.set_forward_vetted(False)
+        y, prologue_out = _run_op(call.vet, torch.ops.tpfp8.linear, call.x, *call.op_args)
         self._end(call)
         return self._outputs(y, self._config.return_bias, call.bias_out, prologue_out)
 
@@ -398,7 +392,8 @@ class Linear(nn.Linear):
                              input_needs_grad, x.device)
         a = call.args
         scale, _, amax_history, grad_amax_history = call.state or (None,) * len(_STATE)
-        call.x, call.bias_out, call.frame, call.checkpoints = x, bias_out, frame, checkpoints
+        call.x, call.bias, call.bias_out = x, bias, bias_out
+        call.frame, call.checkpoints = frame, checkpoints
         call.recompute = repeated is not None
         call.vet = checkpoints is not None and checkpoints.in_backward
         call.op_args = (
@@ -417,8 +412,7 @@ class Linear(nn.Linear):
         self._commit(call, self.weight, call.frame, call.recompute)
         if call.checkpoints is not None and not call.recompute:
             _checkpointing.record(self, self._forward_record(call.frame), call.checkpoints)
-            if call.frame is not None and call.frame["recipe"] is not None \
-                    and not self._fp8_ran_fp8:
+            if call.frame is not None and not self._fp8_ran_fp8:  # (frames have recipes)
                 self._fp8_ran_fp8 = True
 
     # ---- what the fused modules change ----------------------------------------------------
@@ -639,9 +633,10 @@ class _Call:
     main_grad: Optional[torch.Tensor] = None
     new_main_grad: Optional[torch.Tensor] = None
     # Set by `Linear._begin`: the input in the GEMMs' dtype, the op's arguments after it, the
-    # bias returned beside y (return_bias), and what `_end` needs.
+    # bias the op adds and the bias returned beside y (return_bias), and what `_end` needs.
     x: Optional[torch.Tensor] = None
     op_args: tuple = ()
+    bias: Optional[torch.Tensor] = None
     bias_out: Optional[torch.Tensor] = None
     frame: Optional[dict] = None
     checkpoints: Optional[object] = None
@@ -651,8 +646,19 @@ class _Call:
     def gives_grad(self) -> bool:
         """Whether the op's output will be differentiated (its input or a parameter needs it)."""
         return self.args.need_dgrad or self.args.need_wgrad or (
-            torch.is_grad_enabled() and self.op_args[1] is not None
-            and self.op_args[1].requires_grad)
+            torch.is_grad_enabled() and self.bias is not None and self.bias.requires_grad)
+
+
+def _run_op(vet: bool, op, *args):
+    """op(*args); with `vet` (a checkpoint's recompute inside backward, matched by the module)
+    marked as checked, since the op refuses forwards inside backward otherwise."""
+    if vet:
+        _C.set_forward_vetted(True)
+    try:
+        return op(*args)
+    finally:
+        if vet:
+            _C.set_forward_vetted(False)
 
 
 def _moved(fn, t: torch.Tensor) -> torch.Tensor:
