@@ -328,13 +328,61 @@ def profile_case(name, step, device, out, hidden, steps=5):
     busy_us = sum(e.self_device_time_total for e in events
                   if e.device_type == torch.autograd.DeviceType.CUDA)
     text = (f"profile of '{name}' at hidden {hidden}: host {host_ms:.3f} ms/step to issue, GPU "
-            f"busy {busy_us / 1e3 / steps:.3f} ms/step\n" +
+            f"busy {busy_us / 1e3 / steps:.3f} ms/step\n" + idle_report(prof, steps) +
+            sync_report(step, device) +
             events.table(sort_by="self_device_time_total" if len(activities) > 1
                          else "self_cpu_time_total", row_limit=30))
     print(text, flush=True)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"profile_{hidden}_{name.replace(' ', '_')}.txt"), "w") as f:
         f.write(text)
+
+
+def idle_report(prof, steps, top=8):
+    """Where the GPU waited between kernels over the profiled steps: the total per step, and
+    the longest gaps with the kernels on either side and the host calls that block (syncs,
+    copies to the host, cudaMalloc/cudaFree) -- wall time above GPU busy time is spent here."""
+    kernels = sorted((e for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    if len(kernels) < 2:
+        return ""
+    gaps = []
+    end, before = kernels[0].time_range.end, kernels[0].name
+    for k in kernels[1:]:
+        if k.time_range.start > end:
+            gaps.append((k.time_range.start - end, before, k.name))
+        if k.time_range.end > end:
+            end, before = k.time_range.end, k.name
+    blocking = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and any(
+                w in e.name for w in ("Synchronize", "cudaMemcpy", "cudaFree", "cudaMalloc")):
+            blocking[e.name] = blocking.get(e.name, 0) + 1
+    lines = [f"GPU idle between kernels: {sum(g[0] for g in gaps) / 1e3 / steps:.3f} ms/step "
+             f"({len(gaps)} gaps); blocking host calls: "
+             f"{', '.join(f'{n} x{c}' for n, c in sorted(blocking.items())) or 'none'}"]
+    for us, a, b in sorted(gaps, reverse=True)[:top]:
+        lines.append(f"  {us:8.1f} us  after {a[:60]}  before {b[:60]}")
+    return "\n".join(lines) + "\n"
+
+
+def sync_report(step, device):
+    """Host-device synchronisations one step makes (torch's sync debug mode)."""
+    if not device.startswith("cuda"):
+        return ""
+    import warnings
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+            sync(device)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    messages = sorted({str(w.message).splitlines()[0][:120] for w in caught})
+    return (f"synchronising calls in one step: {len(caught)}\n" +
+            "".join(f"  {m}\n" for m in messages[:5]))
 
 
 def cell(r):

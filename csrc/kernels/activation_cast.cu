@@ -50,11 +50,11 @@ constexpr int kTileBytes = kFp8Tile * kFp8Tile;           // one FP8 output tile
 constexpr int kStages = 3;  // input stages of a thread: the segment it computes, two in flight
 
 // Resident blocks per SM the register budget must allow (see the top of the file); ptxas
-// fits each instance without spilling. SwiGLU's backward, 16-bit, with column-wise output takes
-// 68 KiB of shared memory (32 tiles, 36 stages): 3 blocks. The dbias instances hold 8 (GELU) or
-// 16 (SwiGLU) lane sums more: at 48 / 64 (GELU) and 80 (SwiGLU but bf16) registers ptxas
-// spilled, so they get 80 (3 blocks), fp16 and fp32 SwiGLU 128 (2 blocks, all fp32's shared
-// memory allows anyway).
+// fits each instance without spilling but fp32 GELU's forward (one word, to L1). SwiGLU's backward,
+// 16-bit, with column-wise output takes 68 KiB of shared memory (32 tiles, 36 stages): 3 blocks.
+// The dbias instances hold 8 (GELU) or 16 (SwiGLU) lane sums more: at 48 / 64 (GELU) and 80 (SwiGLU
+// but bf16) registers ptxas spilled, so they get 80 (3 blocks), fp16 and fp32 SwiGLU 128 (2 blocks,
+// all fp32's shared memory allows anyway).
 template <Activation A, bool kBackward, typename T, bool kDbias>
 constexpr int kMinBlocks =
     A == Activation::kSwiGLU && kBackward ? (kDbias && !std::is_same_v<T, bf16_t> ? 2 : 3)

@@ -32,15 +32,21 @@ TPFP8_HD float horner(const float (&c)[N], float u) {
 // hi + lo = k ln2 + r with |r| <= ln2/2: k*kLn2Hi is exact (kLn2Hi has 16 significant bits,
 // |k| <= 150), so r carries only the rounding of its low parts. The 2^k scaling is two exact
 // power-of-two steps then one rounding, so subnormal results round once too.
+//
+// Branch-free, so the compiler interleaves the elements a thread computes (the kernels are
+// bound by instruction issue): arguments past the range are clamped to its ends, where the
+// same arithmetic already gives inf (e^89: 1.32 * 2^128) or 0 (e^-104: 0.97 * 2^-150 rounds to
+// 0), and NaN is selected back at the end, so every result equals the early-return form's.
 TPFP8_HD float exp_fp32(float hi, float lo = 0.0f) {
   constexpr float kLog2e = 1.44269502f;
   constexpr float kLn2Hi = 0.693145751953125f;
   constexpr float kLn2Lo = 1.42860677e-06f;
   constexpr float kShift = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   constexpr float kQ[] = {0.5f, 0.166665778f, 0.0416668542f, 0.00836314075f, 0.00139012828f};
-  if (!(hi == hi)) return hi;
-  if (hi > 89.0f) return bits_float(0x7F800000u);  // e^88.73 is past FLT_MAX
-  if (hi < -104.0f) return 0.0f;                   // below half the smallest subnormal
+  const float in = hi;
+  hi = hi > 89.0f ? 89.0f : hi;      // e^88.73 is past FLT_MAX
+  hi = hi < -104.0f ? -104.0f : hi;  // below half the smallest subnormal
+  lo = in == hi ? lo : 0.0f;         // (a clamped argument's rest could be NaN: x = inf below)
   const float shifted = add_rn(mul_rn(hi, kLog2e), kShift);
   const float kf = sub_rn(shifted, kShift);
   const int k = static_cast<int>(float_bits(shifted)) - static_cast<int>(float_bits(kShift));
@@ -49,7 +55,8 @@ TPFP8_HD float exp_fp32(float hi, float lo = 0.0f) {
   const int k1 = k / 2, k2 = k - k1;  // each in [-75, 64]: 2^k1, 2^k2 are normal floats
   const float s1 = bits_float(static_cast<uint32_t>(k1 + 127) << 23);
   const float s2 = bits_float(static_cast<uint32_t>(k2 + 127) << 23);
-  return mul_rn(mul_rn(p, s1), s2);
+  const float e = mul_rn(mul_rn(p, s1), s2);
+  return in == in ? e : in;
 }
 
 // e^(-c x^2), c = 1 or 1/2. x^2 rounded to fp32 would be off by up to x^2 2^-24 in absolute
@@ -57,9 +64,8 @@ TPFP8_HD float exp_fp32(float hi, float lo = 0.0f) {
 // significand bits cleared, squares exactly and only the small rest (x - x_hi)(x + x_hi) rounds.
 TPFP8_HD float exp_neg_square(float x, float c) {
   const float xh = bits_float(float_bits(x) & 0xFFFFF000u);
-  const float hi = mul_rn(mul_rn(xh, xh), -c);
-  if (!(hi >= -104.0f)) return hi == hi ? 0.0f : hi;  // also x = inf, where the rest is NaN
-  return exp_fp32(hi, mul_rn(mul_rn(sub_rn(x, xh), add_rn(x, xh)), -c));
+  // Past -104 (x = inf too, where the rest is NaN) exp_fp32 drops the rest and gives 0.
+  return exp_fp32(mul_rn(mul_rn(xh, xh), -c), mul_rn(mul_rn(sub_rn(x, xh), add_rn(x, xh)), -c));
 }
 
 // erf(a) for 0 <= a < 1: a + a P(a^2) (the a term exact, the correction about 1/8 of it).
