@@ -9,6 +9,8 @@
 //   2. with column-wise output, the FP8 codes also go to a [group][hidden] shared tile, and
 //      after a barrier the block stores it transposed, 16 (8-row groups: 8) rows x 4 columns
 //      per thread (4x4 byte transposes, 16-byte stores), as cast_transpose.cu does for its tiles.
+//      Rows wider than 4096 keep 32-row groups: the tile holds their first 4096 columns, and
+//      the rest is read back slice by slice from the row-wise codes just written (L2).
 // Row-major tiles need no swizzle: phase 1 writes consecutive words and phase 2 reads them
 // (two-way conflicts for 32-row groups, whose two 16-row halves go to adjacent threads).
 //
@@ -41,9 +43,10 @@ constexpr int kWarpsPerTeam = kNormLanes / 32;
 constexpr int kAheadBytes = 64 << 10;     // input an SM keeps asked of L2 ahead of its teams
 constexpr int kMaxTileBytes = 128 << 10;  // a group's FP8 tile, beside the teams' stages
 
-// Registers: a row of kChunks 8-element chunks (4; 8 for rows over 8192) takes kRowRegs. The
-// thread bound caps the rest: 64 registers for 16-register rows (4 teams fit an SM), 80 for
-// 32 (3 one-team blocks), 128 for 64; tighter caps spill.
+// Registers: a row of kChunks 8-element chunks (4; 8 for rows over 8192; 1 or 2 for rows of
+// exactly 2048 or 4096) takes kRowRegs. The thread bound caps the rest: 64 registers for rows
+// of 16 registers or fewer (4 teams fit an SM), 80 for 32 (3 one-team blocks), 128 for 64;
+// tighter caps spill.
 template <typename T, int kChunks>
 struct Plan {
   static constexpr int kRowRegs = kChunks * 8 * static_cast<int>(sizeof(T)) / 4;
@@ -79,6 +82,7 @@ struct Args {
   int steps;            // group_rows / teams: rows a team takes per group
   int ahead;            // rows of its own a team keeps asked of L2 past the next one
   int tile_bytes;       // shared FP8 tile (0: none), then a row-sized stage per team
+  int tile_cols;        // columns of the tile: hidden, or a slice of it (see store_group)
   bool columnwise_vec;  // 16-byte (8-row groups: 8-byte) column-wise stores
   bool amax_only;
   bool from_end;
@@ -280,7 +284,7 @@ __device__ __forceinline__ void norm_row(const Row<T, kChunks>& row, int chunks,
     for (int j = 0; j < 8; ++j) v[j] = mul_rn(element<T>(y, j), scale);
     const uint2 bytes = make_uint2(device::encode4<F>(v), device::encode4<F>(v + 4));
     if (p.rowwise) *reinterpret_cast<uint2*>(p.rowwise + ck) = bytes;
-    if (tile_row) *reinterpret_cast<uint2*>(tile_row + c8) = bytes;
+    if (tile_row && c8 < a.tile_cols) *reinterpret_cast<uint2*>(tile_row + c8) = bytes;
   }
   if (lane == 0 && !a.amax_only) {
     if (p.mean) p.mean[r] = from_float<float>(mean);
@@ -288,17 +292,19 @@ __device__ __forceinline__ void norm_row(const Row<T, kChunks>& row, int chunks,
   }
 }
 
-// Stores the group's FP8 tile ([group_rows][hidden], rows from r0) column-wise, kBlock rows
-// (16, or 8 for 8-row groups) x 4 columns per thread item. A 32-row group's two 16-row blocks
-// of a column go to adjacent threads, so a warp's stores fill whole 32-byte sectors.
+// Stores the group's FP8 tile ([group_rows][tile_cols], rows from r0, its first `cols` columns
+// being columns col0 ..) column-wise, kBlock rows (16, or 8 for 8-row groups) x 4 columns per
+// thread item. A 32-row group's two 16-row blocks of a column go to adjacent threads, so a
+// warp's stores fill whole 32-byte sectors.
 template <int kBlock>
-__device__ void store_columnwise(const uint8_t* tile, int64_t r0, const Args& a) {
+__device__ void store_columnwise(const uint8_t* tile, int64_t r0, int64_t col0, int cols,
+                                 const Args& a) {
   constexpr int kQuads = kBlock / 4;
   const NormCastParams& p = a.p;
-  const int words = static_cast<int>(p.hidden / 4);
+  const int words = a.tile_cols / 4;
   const auto* tile32 = reinterpret_cast<const uint32_t*>(tile);
   const int log_blocks = a.group_rows > kBlock ? 1 : 0;
-  const int items = words << log_blocks;
+  const int items = (cols / 4) << log_blocks;
   for (int item = threadIdx.x; item < items; item += blockDim.x) {
     const int b = item & ((1 << log_blocks) - 1), w = item >> log_blocks;
     const int64_t rb = r0 + kBlock * b;
@@ -313,7 +319,7 @@ __device__ void store_columnwise(const uint8_t* tile, int64_t r0, const Args& a)
     }
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      uint8_t* dst = p.columnwise + (int64_t{w} * 4 + c) * p.rows + rb;
+      uint8_t* dst = p.columnwise + (col0 + int64_t{w} * 4 + c) * p.rows + rb;
       if (a.columnwise_vec) {
         if constexpr (kBlock == 16) {
           *reinterpret_cast<uint4*>(dst) =
@@ -332,7 +338,41 @@ __device__ void store_columnwise(const uint8_t* tile, int64_t r0, const Args& a)
   }
 }
 
-template <Fp8Format F, NormType N, typename T, int kChunks>
+// Copies columns col0 .. col0 + cols of the group's row-wise FP8 codes (global memory, just
+// written by this block: the barrier before makes them visible) into the tile, 8 bytes a load.
+__device__ void load_tile_rowwise(uint8_t* tile, int64_t r0, int64_t col0, int cols,
+                                  const Args& a) {
+  const NormCastParams& p = a.p;
+  const int pieces = cols / 8, items = a.group_rows * pieces;
+  for (int item = threadIdx.x; item < items; item += blockDim.x) {
+    const int row = item / pieces, piece = item % pieces;
+    if (r0 + row >= p.rows) continue;  // (rows past the end are never stored)
+    const auto* src = reinterpret_cast<const uint2*>(p.rowwise + (r0 + row) * p.hidden + col0);
+    reinterpret_cast<uint2*>(tile + row * a.tile_cols)[piece] = src[piece];
+  }
+}
+
+// Stores the group's column-wise output once the tile holds its rows (after a barrier). A tile
+// narrower than the rows holds their first tile_cols columns; the rest follow slice by slice
+// from the row-wise codes, which L2 still holds: 32-row groups (whole column-wise sectors) for
+// rows too wide for a 32-row tile, at the price of an L2 read of the codes.
+__device__ void store_group(uint8_t* tile, int64_t r0, const Args& a) {
+  const int64_t hidden = a.p.hidden;
+  for (int64_t col0 = 0; col0 < hidden; col0 += a.tile_cols) {
+    const int cols = static_cast<int>(std::min<int64_t>(a.tile_cols, hidden - col0));
+    if (col0 > 0) {
+      __syncthreads();  // the previous slice read
+      load_tile_rowwise(tile, r0, col0, cols, a);
+      __syncthreads();  // this slice loaded
+    }
+    a.group_rows == 8 ? store_columnwise<8>(tile, r0, col0, cols, a)
+                      : store_columnwise<16>(tile, r0, col0, cols, a);
+  }
+}
+
+// kWhole: every lane holds exactly kChunks chunks (hidden = kNormLanes * 8 * kChunks), a
+// constant, so the chunk loops carry no bounds tests.
+template <Fp8Format F, NormType N, typename T, int kChunks, bool kWhole>
 __global__ void __launch_bounds__(Plan<T, kChunks>::kMaxThreads) norm_cast_kernel(const Args a) {
   extern __shared__ uint4 smem[];
   __shared__ float red[Plan<T, kChunks>::kMaxTeams][2][kWarpsPerTeam];
@@ -349,7 +389,8 @@ __global__ void __launch_bounds__(Plan<T, kChunks>::kMaxThreads) norm_cast_kerne
   // Row i + 1 is copied to the stage while row i is normalized; rows up to i + 1 + ahead are
   // asked of L2. The lane's chunks of a row: c = lane, lane + kNormLanes, ... below hidden / 8.
   const int lane = threadIdx.x % kNormLanes;
-  const int chunks = static_cast<int>((p.hidden / 8 - lane + kNormLanes - 1) / kNormLanes);
+  const int chunks =
+      kWhole ? kChunks : static_cast<int>((p.hidden / 8 - lane + kNormLanes - 1) / kNormLanes);
   auto copy = [&](int64_t r) {
     if (r >= 0) copy_row_async<T, kChunks>(in + r * p.hidden, chunks, stage);
   };
@@ -387,7 +428,7 @@ __global__ void __launch_bounds__(Plan<T, kChunks>::kMaxThreads) norm_cast_kerne
       wait_copies();
       Row<T, kChunks> row;
       read_row(stage, chunks, row);
-      uint8_t* tile_row = a.tile_bytes ? tile + rows.tile_row(at) * p.hidden : nullptr;
+      uint8_t* tile_row = a.tile_bytes ? tile + rows.tile_row(at) * a.tile_cols : nullptr;
       norm_row<F, N>(row, chunks, r, a, scale, red[team], parity, team, amax, tile_row,
                      [&] { copy(r_next); });
     } else {
@@ -395,8 +436,7 @@ __global__ void __launch_bounds__(Plan<T, kChunks>::kMaxThreads) norm_cast_kerne
     }
     if (a.tile_bytes && at.step == a.steps - 1) {
       __syncthreads();  // the group's tile complete
-      const int64_t r0 = rows.group_start(at.g);
-      a.group_rows == 8 ? store_columnwise<8>(tile, r0, a) : store_columnwise<16>(tile, r0, a);
+      store_group(tile, rows.group_start(at.g), a);
       __syncthreads();  // read before the next group overwrites it
     }
     at.advance(a);
@@ -417,9 +457,9 @@ struct Residency {
   int blocks_per_sm = 1;
 };
 
-template <Fp8Format F, NormType N, typename T, int kChunks>
+template <Fp8Format F, NormType N, typename T, int kChunks, bool kWhole>
 Residency residency(int tile_bytes, int stage_bytes) {
-  const auto kernel = norm_cast_kernel<F, N, T, kChunks>;
+  const auto kernel = norm_cast_kernel<F, N, T, kChunks, kWhole>;
   // Per device and with / without a tile (current scaling alternates the two), the last layout
   // asked and its answer in one word (layout << 16 | teams << 8 | blocks), so racing launches
   // see one whole answer or none.
@@ -455,21 +495,25 @@ Residency residency(int tile_bytes, int stage_bytes) {
   return best;
 }
 
-template <Fp8Format F, NormType N, typename T, int kChunks>
+template <Fp8Format F, NormType N, typename T, int kChunks, bool kWhole>
 void launch(Args a, cudaStream_t stream) {
   const NormCastParams& p = a.p;
   const bool columnwise = p.columnwise && !a.amax_only;
-  // The most rows whose tile fits kMaxTileBytes: 32-row groups make whole 32-byte column-wise
-  // sectors (16-row groups' half sectors made the column-wise stores of hidden 4096 cost as
-  // much as the rest of the kernel: 101 against 63 us on the H200); 8-row groups keep the
-  // widest rows' tile in bounds.
-  const int64_t fits = kMaxTileBytes / p.hidden;
-  a.group_rows = !columnwise ? 16 : fits >= 32 ? 32 : fits >= 16 ? 16 : 8;
+  // Column-wise output goes through a tile of 32-row groups, which make whole 32-byte
+  // column-wise sectors (16-row groups' half sectors made the column-wise stores of hidden 4096
+  // cost as much as the rest of the kernel: 101 against 63 us on the H200). Rows too wide for a
+  // 32-row tile of kMaxTileBytes put a slice of their columns in it and the rest follows from
+  // the row-wise codes (store_group; 16-row groups' column-wise stores took 126 of 205 us at
+  // hidden 8192); column-wise output alone keeps 16- or 8-row groups of whole rows.
+  const int64_t fits = kMaxTileBytes / p.hidden;  // rows of the whole width a tile holds
+  const bool sliced = columnwise && fits < 32 && p.rowwise;
+  a.group_rows = !columnwise ? 16 : fits >= 32 || sliced ? 32 : fits >= 16 ? 16 : 8;
+  a.tile_cols = static_cast<int>(sliced ? kMaxTileBytes / 32 : p.hidden);
   const int block_rows = std::min(a.group_rows, 16);
   a.columnwise_vec = p.rows % block_rows == 0 && device::aligned(p.columnwise, block_rows);
-  a.tile_bytes = columnwise ? static_cast<int>(a.group_rows * p.hidden) : 0;
+  a.tile_bytes = columnwise ? a.group_rows * a.tile_cols : 0;
   const int stage_bytes = static_cast<int>(p.hidden * sizeof(T));
-  const Residency res = residency<F, N, T, kChunks>(a.tile_bytes, stage_bytes);
+  const Residency res = residency<F, N, T, kChunks, kWhole>(a.tile_bytes, stage_bytes);
   a.teams = res.teams;
   a.steps = a.group_rows / a.teams;
   const int64_t teams_per_sm = int64_t{res.teams} * res.blocks_per_sm;
@@ -478,13 +522,18 @@ void launch(Args a, cudaStream_t stream) {
   const int64_t resident = int64_t{res.blocks_per_sm} * current_sm_count();
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min(groups, resident)));
   const int smem = a.tile_bytes + a.teams * stage_bytes;
-  norm_cast_kernel<F, N, T, kChunks><<<grid, kNormLanes * a.teams, smem, stream>>>(a);
+  norm_cast_kernel<F, N, T, kChunks, kWhole><<<grid, kNormLanes * a.teams, smem, stream>>>(a);
 }
 
 template <Fp8Format F, NormType N, typename T>
 void launch_rows(const Args& a, cudaStream_t stream) {
-  a.p.hidden <= kNormLanes * 8 * 4 ? launch<F, N, T, 4>(a, stream)
-                                   : launch<F, N, T, kNormMaxChunks>(a, stream);
+  // Rows of 2048 and 4096 are one or two whole lane strides; their instances drop the per-chunk
+  // tests of this issue-bound kernel (wider whole rows spill: LayerNorm keeps more live).
+  constexpr int64_t kStride = kNormLanes * 8;
+  if (a.p.hidden == kStride) return launch<F, N, T, 1, true>(a, stream);
+  if (a.p.hidden == 2 * kStride) return launch<F, N, T, 2, true>(a, stream);
+  a.p.hidden <= kStride * 4 ? launch<F, N, T, 4, false>(a, stream)
+                            : launch<F, N, T, kNormMaxChunks, false>(a, stream);
 }
 
 cudaError_t run(Args a, cudaStream_t stream) {
