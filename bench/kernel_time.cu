@@ -1,0 +1,140 @@
+// Kernel time of norm_cast and activation_cast at Llama-like shapes, without torch: for A/B runs
+// of kernel variants, each binary built from one tree's kernel sources (bench/RESULTS.md, 11th
+// session). Run on the GPU machine, from the repository root:
+//   K=csrc/kernels; F="-std=c++17 --expt-relaxed-constexpr -O3 -DTPFP8_WITH_CUDA -Icsrc \
+//     -gencode=arch=compute_90a,code=sm_90a -Xcompiler -ffp-contract=off"
+//   nvcc $F -o /tmp/kernel_time bench/kernel_time.cu $K/norm_cast.cu $K/activation_cast.cu \
+//     $K/cast.cu $K/cast_transpose.cu $K/norm_cast_cpu.cpp $K/activation_cast_cpu.cpp
+//     $K/cast_cpu.cpp
+//   /tmp/kernel_time [all|copy|norm|act]     # ONCE=1: one launch each (for ncu)
+// Inputs are uniform in [-2, 2) bf16; the scale is 1 (delayed scaling). GB/s counts the bytes
+// each kernel must move (bf16 in, FP8 out).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "kernels/activation_cast.h"
+#include "kernels/norm_cast.h"
+
+namespace {
+using namespace tpfp8;
+
+// Microseconds per launch: the mean of 30 back-to-back launches after 3 untimed (ONCE set: one
+// launch, for a profiler).
+template <typename F>
+float time_us(F f, int reps = 30) {
+  if (getenv("ONCE")) {
+    f();
+    cudaDeviceSynchronize();
+    return 1.0f;
+  }
+  for (int i = 0; i < 3; ++i) f();
+  cudaEvent_t a, b;
+  cudaEventCreate(&a), cudaEventCreate(&b);
+  cudaEventRecord(a);
+  for (int i = 0; i < reps; ++i) f();
+  cudaEventRecord(b);
+  cudaEventSynchronize(b);
+  float ms = 0.0f;
+  cudaEventElapsedTime(&ms, a, b);
+  return ms * 1e3f / reps;
+}
+
+struct Buffers {
+  void *x, *dy, *row, *col, *out;
+  float *gamma, *scale, *amax, *scale_inv;
+};
+
+Buffers make_buffers() {
+  const size_t elems = size_t{8192} * 28672, bytes = elems * 2;
+  Buffers b{};
+  cudaMalloc(&b.x, bytes), cudaMalloc(&b.dy, bytes), cudaMalloc(&b.row, bytes);
+  cudaMalloc(&b.col, bytes), cudaMalloc(&b.out, bytes);
+  cudaMalloc(&b.gamma, 16384 * 4), cudaMalloc(&b.scale, 4), cudaMalloc(&b.amax, 4);
+  cudaMalloc(&b.scale_inv, 4);
+  std::vector<uint16_t> h(elems);  // bf16 bits, uniform in [-2, 2) (a fixed LCG)
+  uint32_t s = 1;
+  for (auto& v : h) {
+    s = s * 1664525u + 1013904223u;
+    const float f = ((s >> 8) / 16777216.0f - 0.5f) * 4.0f;
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    v = static_cast<uint16_t>(u >> 16);
+  }
+  cudaMemcpy(b.x, h.data(), bytes, cudaMemcpyHostToDevice);
+  cudaMemcpy(b.dy, h.data(), bytes, cudaMemcpyHostToDevice);
+  const std::vector<float> ones(16384, 1.0f);
+  cudaMemcpy(b.gamma, ones.data(), 16384 * 4, cudaMemcpyHostToDevice);
+  cudaMemcpy(b.scale, ones.data(), 4, cudaMemcpyHostToDevice);
+  return b;
+}
+
+void time_copy(const Buffers& b) {
+  for (size_t mb : {134, 470}) {
+    const size_t bytes = mb << 20;  // moved: half read, half written
+    const float us = time_us([&] { cudaMemcpyAsync(b.out, b.x, bytes / 2, cudaMemcpyDefault); });
+    printf("copy %zu MB moved: %.1f us, %.0f GB/s\n", mb, us, bytes / us / 1e3);
+  }
+}
+
+// RMSNorm of bf16 [8192, hidden] to row-wise FP8, and column-wise too.
+void time_norm(const Buffers& b) {
+  for (int64_t hidden : {2048, 4096, 8192}) {
+    for (int columnwise = 0; columnwise < 2; ++columnwise) {
+      NormCastParams p;
+      p.input = b.x, p.dtype = DType::kBFloat16, p.rows = 8192, p.hidden = hidden;
+      p.norm = NormType::kRMSNorm, p.gamma = b.gamma, p.scale = b.scale;
+      p.rowwise = static_cast<uint8_t*>(b.row);
+      p.columnwise = columnwise ? static_cast<uint8_t*>(b.col) : nullptr;
+      p.amax = b.amax, p.scale_inv = b.scale_inv, p.rstd = static_cast<float*>(b.out);
+      const float us = time_us([&] { norm_cast_cuda(p, 0); });
+      const double bytes = 8192.0 * hidden * (2 + 1 + columnwise);
+      printf("norm rms bf16 8192x%ld %s: %.1f us, %.0f GB/s (%s)\n", static_cast<long>(hidden),
+             columnwise ? "row+col" : "row", us, bytes / us / 1e3,
+             cudaGetErrorString(cudaGetLastError()));
+    }
+  }
+}
+
+// GELU [8192, 16384] and SwiGLU [8192, 2 x 14336] forward (E4M3) and backward (E5M2), bf16 in,
+// row-wise and column-wise FP8 out.
+void time_activation(const Buffers& b) {
+  for (int swiglu = 0; swiglu < 2; ++swiglu) {
+    for (int backward = 0; backward < 2; ++backward) {
+      ActivationCastParams p;
+      p.activation = swiglu ? Activation::kSwiGLU : Activation::kGelu;
+      p.backward = backward;
+      p.input = b.x, p.grad = b.dy, p.dtype = DType::kBFloat16, p.rows = 8192;
+      p.n = swiglu ? 14336 : 16384;
+      p.format = backward ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
+      p.scale = b.scale, p.rowwise = static_cast<uint8_t*>(b.row);
+      p.columnwise = static_cast<uint8_t*>(b.col), p.amax = b.amax, p.scale_inv = b.scale_inv;
+      const float us = time_us([&] { activation_cast_cuda(p, 0); });
+      const double in = 8192.0 * p.in_cols() * 2 + (backward ? 8192.0 * p.n * 2 : 0);
+      const double out = 8192.0 * p.out_cols() * 2;
+      printf("act %s %s 8192x%ld: %.1f us, %.0f GB/s (%s)\n", swiglu ? "swiglu" : "gelu",
+             backward ? "bwd" : "fwd", static_cast<long>(p.n), us, (in + out) / us / 1e3,
+             cudaGetErrorString(cudaGetLastError()));
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const char* what = argc > 1 ? argv[1] : "all";
+  const bool all = !strcmp(what, "all");
+  if (!all && strcmp(what, "copy") && strcmp(what, "norm") && strcmp(what, "act")) {
+    fprintf(stderr, "usage: %s [all|copy|norm|act]  (ONCE=1: one launch per case)\n", argv[0]);
+    return 2;
+  }
+  const Buffers b = make_buffers();
+  if (all || !strcmp(what, "copy")) time_copy(b);
+  if (all || !strcmp(what, "norm")) time_norm(b);
+  if (all || !strcmp(what, "act")) time_activation(b);
+  return 0;
+}
