@@ -132,7 +132,7 @@ def main(argv=None):
                              "(bf16 cases always run: they are the baseline)")
     parser.add_argument("--profile", default=None,
                         help="comma-separated substrings: a torch.profiler table of the matching "
-                             "cases after timing")
+                             "cases after timing, with the GPU's idle gaps and the step's syncs")
     parser.set_defaults(reps=20)
     args = parser.parse_args(argv)
     cases = CASES
