@@ -1,9 +1,9 @@
 // Fused LayerNorm / RMSNorm -> FP8 cast (norm_cast.h).
 //
-// A "team" of kNormLanes threads normalizes one row at a time, holding it in registers as
-// 8-element chunks (the reduction order of norm_cast.h follows from that layout). A block has
-// 1, 2 or 4 teams, whichever keeps the most warps resident, and walks groups of 8, 16 or 32
-// rows:
+// A "team" of norm_lanes(hidden) threads (128 or 256) normalizes one row at a time, holding it
+// in registers as 8-element chunks (the reduction order of norm_cast.h follows from that
+// layout). A block has 1 to 8 teams, whichever keeps the most warps resident, and walks groups
+// of 8, 16 or 32 rows:
 //   1. each team normalizes its rows of the group and stores the high-precision row and the
 //      row-wise FP8 codes straight from registers (a warp: 512 / 256 contiguous bytes);
 //   2. with column-wise output, the FP8 codes also go to a [group][hidden] shared tile, and
@@ -17,7 +17,7 @@
 // Latency without registers: each thread copies its chunks of the team's next row into shared
 // memory (cp.async) while the team reduces and stores the current one, and one thread per team
 // asks L2 for the rows after it (bulk prefetch, about 64 KB per SM ahead). A row in flight in
-// registers would cost 16 of the 64 registers that let 4 teams share an SM.
+// registers would cost 16 of the 64 registers that let 1024 threads share an SM.
 //
 // Traffic per element, bf16 input, FP8 row + column output (B = bytes):
 //   delayed scaling, fused:   read x 2 + write FP8 2                  = 4 B (+2 with out)
@@ -39,19 +39,21 @@
 namespace tpfp8 {
 namespace {
 
-constexpr int kWarpsPerTeam = kNormLanes / 32;
 constexpr int kAheadBytes = 64 << 10;     // input an SM keeps asked of L2 ahead of its teams
 constexpr int kMaxTileBytes = 128 << 10;  // a group's FP8 tile, beside the teams' stages
 
-// Registers: a row of kChunks 8-element chunks (4; 8 for rows over 8192; 1 or 2 for rows of
-// exactly 2048 or 4096) takes kRowRegs. The thread bound caps the rest: 64 registers for rows
-// of 16 registers or fewer (4 teams fit an SM), 80 for 32 (3 one-team blocks), 128 for 64;
-// tighter caps spill.
-template <typename T, int kChunks>
+// Registers: a lane's kChunks 8-element chunks of a row (4; 8 for rows over 8192; 2 or 4 for
+// rows of exactly 2048 or 4096) take kRowRegs. The thread bound caps the rest: 64 registers for
+// rows of 16 registers or fewer (1024 threads fit an SM), 80 for 32 (768), 128 for 64; tighter
+// caps spill. Teams per block: a power of two, as groups are.
+template <typename T, int kChunks, int kLanes>
 struct Plan {
   static constexpr int kRowRegs = kChunks * 8 * static_cast<int>(sizeof(T)) / 4;
   static constexpr int kMaxThreads = kRowRegs <= 16 ? 1024 : kRowRegs <= 32 ? 768 : 512;
-  static constexpr int kMaxTeams = kRowRegs <= 16 ? 4 : 2;  // a power of two, as groups are
+  static constexpr int kMaxTeams = kMaxThreads / kLanes >= 8   ? 8
+                                   : kMaxThreads / kLanes >= 4 ? 4
+                                   : kMaxThreads / kLanes >= 2 ? 2
+                                                               : 1;
 };
 
 // A lane's chunks of one row: chunk k's 8 elements in kWords 32-bit words (16-bit elements two
@@ -115,38 +117,40 @@ struct TeamRows {
   }
 };
 
-// Barrier of one team (ids 1..4; 0 is __syncthreads).
+// Barrier of one team (ids 1..8; 0 is __syncthreads).
+template <int kLanes>
 __device__ __forceinline__ void team_sync(int team) {
-  asm volatile("bar.sync %0, %1;" ::"r"(team + 1), "r"(kNormLanes) : "memory");
+  asm volatile("bar.sync %0, %1;" ::"r"(team + 1), "r"(kLanes) : "memory");
 }
 
 // Sum of the team's lane partials in norm_cast.h's order, the same in every lane. `buf` holds
 // two slots that consecutive reductions alternate, so one barrier per reduction suffices: a
 // slot is rewritten only after every lane passed the next reduction's barrier.
-__device__ __forceinline__ float team_sum(float s, float (*buf)[kWarpsPerTeam], int& parity,
+template <int kLanes>
+__device__ __forceinline__ float team_sum(float s, float (*buf)[kLanes / 32], int& parity,
                                           int team) {
 #pragma unroll
   for (int offset = 16; offset >= 1; offset /= 2) {
     s = add_rn(s, __shfl_xor_sync(0xFFFFFFFFu, s, offset));
   }
-  const int lane = threadIdx.x % kNormLanes;
+  const int lane = threadIdx.x % kLanes;
   float* slot = buf[parity];
   parity ^= 1;
   if (lane % 32 == 0) slot[lane / 32] = s;
-  team_sync(team);
+  team_sync<kLanes>(team);
   float total = slot[0];
 #pragma unroll
-  for (int w = 1; w < kWarpsPerTeam; ++w) total = add_rn(total, slot[w]);
+  for (int w = 1; w < kLanes / 32; ++w) total = add_rn(total, slot[w]);
   return total;
 }
 
 // The lane's `chunks` chunks of a row, global -> the team's stage (the row's layout),
 // asynchronously: each thread later reads back only what it copied, after wait_copies, so no
 // barrier is needed. Addresses are a base and constant offsets, for registers' sake.
-template <typename T, int kChunks>
+template <typename T, int kChunks, int kLanes>
 __device__ __forceinline__ void copy_row_async(const T* row_src, int chunks, uint4* stage) {
-  constexpr int kVecs = Row<T, kChunks>::kVecs, kStride = kNormLanes * kVecs;
-  const int lane = threadIdx.x % kNormLanes;
+  constexpr int kVecs = Row<T, kChunks>::kVecs, kStride = kLanes * kVecs;
+  const int lane = threadIdx.x % kLanes;
   const auto* src = reinterpret_cast<const uint4*>(row_src) + lane * kVecs;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const auto dst = static_cast<uint32_t>(__cvta_generic_to_shared(stage + lane * kVecs));
@@ -173,10 +177,10 @@ __device__ __forceinline__ void wait_copies() {
 #endif
 }
 
-template <typename T, int kChunks>
+template <int kLanes, typename T, int kChunks>
 __device__ __forceinline__ void read_row(const uint4* stage, int chunks, Row<T, kChunks>& row) {
-  constexpr int kVecs = Row<T, kChunks>::kVecs, kStride = kNormLanes * kVecs;
-  const uint4* src = stage + threadIdx.x % kNormLanes * kVecs;
+  constexpr int kVecs = Row<T, kChunks>::kVecs, kStride = kLanes * kVecs;
+  const uint4* src = stage + threadIdx.x % kLanes * kVecs;
 #pragma unroll
   for (int k = 0; k < kChunks; ++k) {
     if (k >= chunks) continue;
@@ -235,23 +239,23 @@ __device__ __forceinline__ uint32_t amax_bits(uint32_t acc) {
 // `tile_row` is its row of the shared FP8 tile, or null. `row_read` runs once the first
 // team-wide sum is done: every lane has used its copy of the row by then, so its stage may be
 // refilled.
-template <Fp8Format F, NormType N, typename T, int kChunks, typename Next>
+template <Fp8Format F, NormType N, int kLanes, typename T, int kChunks, typename Next>
 __device__ __forceinline__ void norm_row(const Row<T, kChunks>& row, int chunks, int64_t r,
-                                         const Args& a, float scale, float (*red)[kWarpsPerTeam],
+                                         const Args& a, float scale, float (*red)[kLanes / 32],
                                          int& parity, int team, uint32_t& amax, uint8_t* tile_row,
                                          Next&& row_read) {
-  constexpr int kStride = kNormLanes * 8;  // elements between a lane's chunks
+  constexpr int kStride = kLanes * 8;  // elements between a lane's chunks
   const NormCastParams& p = a.p;
   const int64_t h = p.hidden;
-  const int lane = threadIdx.x % kNormLanes;
+  const int lane = threadIdx.x % kLanes;
   float mean = 0.0f;
   if constexpr (N == NormType::kLayerNorm) {
     const float sum = lane_sum(row, chunks, [](float x) { return x; });
-    mean = div_rn(team_sum(sum, red, parity, team), static_cast<float>(h));
+    mean = div_rn(team_sum<kLanes>(sum, red, parity, team), static_cast<float>(h));
     row_read();
   }
   const float sum_sq = lane_sum(row, chunks, [&](float x) { return norm_square(x, mean, N); });
-  const float rstd = norm_rstd(team_sum(sum_sq, red, parity, team), h, p.eps);
+  const float rstd = norm_rstd(team_sum<kLanes>(sum_sq, red, parity, team), h, p.eps);
   if constexpr (N == NormType::kRMSNorm) row_read();
   // Chunk k of the lane is kStride elements (bytes, for FP8) after its chunk 0 at `at`.
   const int64_t at = r * h + lane * 8;
@@ -339,17 +343,29 @@ __device__ void store_columnwise(const uint8_t* tile, int64_t r0, int64_t col0, 
 }
 
 // Copies columns col0 .. col0 + cols of the group's row-wise FP8 codes (global memory, just
-// written by this block: the barrier before makes them visible) into the tile, 8 bytes a load.
+// written by this block: the barrier before makes them visible) into the tile, 8 bytes a copy,
+// asynchronously (all of a thread's copies in flight at once, no registers held; a load at a
+// time, each waited for, took ~10 % of the kernel at hidden 8192); waits for them. A warp takes
+// a row: 256 contiguous bytes a copy instruction.
 __device__ void load_tile_rowwise(uint8_t* tile, int64_t r0, int64_t col0, int cols,
                                   const Args& a) {
   const NormCastParams& p = a.p;
-  const int pieces = cols / 8, items = a.group_rows * pieces;
-  for (int item = threadIdx.x; item < items; item += blockDim.x) {
-    const int row = item / pieces, piece = item % pieces;
-    if (r0 + row >= p.rows) continue;  // (rows past the end are never stored)
+  const int pieces = cols / 8;
+  for (int row = threadIdx.x / 32; row < a.group_rows; row += blockDim.x / 32) {
+    if (r0 + row >= p.rows) break;  // (rows past the end are never stored)
     const auto* src = reinterpret_cast<const uint2*>(p.rowwise + (r0 + row) * p.hidden + col0);
-    reinterpret_cast<uint2*>(tile + row * a.tile_cols)[piece] = src[piece];
+    auto* dst = reinterpret_cast<uint2*>(tile + row * a.tile_cols);
+    for (int piece = threadIdx.x % 32; piece < pieces; piece += 32) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+      const auto d = static_cast<uint32_t>(__cvta_generic_to_shared(dst + piece));
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(d), "l"(src + piece)
+                   : "memory");
+#else
+      dst[piece] = src[piece];
+#endif
+    }
   }
+  wait_copies();
 }
 
 // Stores the group's column-wise output once the tile holds its rows (after a barrier). A tile
@@ -370,15 +386,17 @@ __device__ void store_group(uint8_t* tile, int64_t r0, const Args& a) {
   }
 }
 
-// kWhole: every lane holds exactly kChunks chunks (hidden = kNormLanes * 8 * kChunks), a
-// constant, so the chunk loops carry no bounds tests.
-template <Fp8Format F, NormType N, typename T, int kChunks, bool kWhole>
-__global__ void __launch_bounds__(Plan<T, kChunks>::kMaxThreads) norm_cast_kernel(const Args a) {
+// kWhole: every lane holds exactly kChunks chunks (hidden = kLanes * 8 * kChunks), a constant,
+// so the chunk loops carry no bounds tests.
+template <Fp8Format F, NormType N, typename T, int kChunks, bool kWhole, int kLanes>
+__global__ void __launch_bounds__(Plan<T, kChunks, kLanes>::kMaxThreads)
+    norm_cast_kernel(const Args a) {
+  using P = Plan<T, kChunks, kLanes>;
   extern __shared__ uint4 smem[];
-  __shared__ float red[Plan<T, kChunks>::kMaxTeams][2][kWarpsPerTeam];
+  __shared__ float red[P::kMaxTeams][2][kLanes / 32];
   const NormCastParams& p = a.p;
   const T* in = static_cast<const T*>(p.input);
-  const int team = threadIdx.x / kNormLanes;
+  const int team = threadIdx.x / kLanes;
   uint8_t* const tile = reinterpret_cast<uint8_t*>(smem);
   const int64_t row_bytes = p.hidden * static_cast<int64_t>(sizeof(T));
   uint4* const stage = reinterpret_cast<uint4*>(tile + a.tile_bytes + team * row_bytes);
@@ -387,21 +405,21 @@ __global__ void __launch_bounds__(Plan<T, kChunks>::kMaxThreads) norm_cast_kerne
   const TeamRows rows{a, groups, team};
 
   // Row i + 1 is copied to the stage while row i is normalized; rows up to i + 1 + ahead are
-  // asked of L2. The lane's chunks of a row: c = lane, lane + kNormLanes, ... below hidden / 8.
-  const int lane = threadIdx.x % kNormLanes;
+  // asked of L2. The lane's chunks of a row: c = lane, lane + kLanes, ... below hidden / 8.
+  const int lane = threadIdx.x % kLanes;
   const int chunks =
-      kWhole ? kChunks : static_cast<int>((p.hidden / 8 - lane + kNormLanes - 1) / kNormLanes);
+      kWhole ? kChunks : static_cast<int>((p.hidden / 8 - lane + kLanes - 1) / kLanes);
   auto copy = [&](int64_t r) {
-    if (r >= 0) copy_row_async<T, kChunks>(in + r * p.hidden, chunks, stage);
+    if (r >= 0) copy_row_async<T, kChunks, kLanes>(in + r * p.hidden, chunks, stage);
   };
   // One thread per team asks L2 for rows. Registers limit the teams per SM, so its place lives
   // in shared memory and the test rereads %tid (volatile: kept otherwise, it spilled).
   auto lead = [] {
     uint32_t tid;
     asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-    return tid % kNormLanes == 0;
+    return tid % kLanes == 0;
   };
-  __shared__ Cursor asked[Plan<T, kChunks>::kMaxTeams];
+  __shared__ Cursor asked[P::kMaxTeams];
   Cursor at{blockIdx.x, 0};
   auto ask_next = [&] {
     Cursor c = asked[team];
@@ -427,10 +445,10 @@ __global__ void __launch_bounds__(Plan<T, kChunks>::kMaxThreads) norm_cast_kerne
     if (r >= 0) {
       wait_copies();
       Row<T, kChunks> row;
-      read_row(stage, chunks, row);
+      read_row<kLanes>(stage, chunks, row);
       uint8_t* tile_row = a.tile_bytes ? tile + rows.tile_row(at) * a.tile_cols : nullptr;
-      norm_row<F, N>(row, chunks, r, a, scale, red[team], parity, team, amax, tile_row,
-                     [&] { copy(r_next); });
+      norm_row<F, N, kLanes>(row, chunks, r, a, scale, red[team], parity, team, amax, tile_row,
+                             [&] { copy(r_next); });
     } else {
       copy(r_next);
     }
@@ -457,9 +475,9 @@ struct Residency {
   int blocks_per_sm = 1;
 };
 
-template <Fp8Format F, NormType N, typename T, int kChunks, bool kWhole>
+template <Fp8Format F, NormType N, typename T, int kChunks, bool kWhole, int kLanes>
 Residency residency(int tile_bytes, int stage_bytes) {
-  const auto kernel = norm_cast_kernel<F, N, T, kChunks, kWhole>;
+  const auto kernel = norm_cast_kernel<F, N, T, kChunks, kWhole, kLanes>;
   // Per device and with / without a tile (current scaling alternates the two), the last layout
   // asked and its answer in one word (layout << 16 | teams << 8 | blocks), so racing launches
   // see one whole answer or none.
@@ -480,11 +498,11 @@ Residency residency(int tile_bytes, int stage_bytes) {
   smem_max -= static_cast<int>(attr.sharedSizeBytes);
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max);
   Residency best{1, 0};
-  for (int teams = 1; teams <= Plan<T, kChunks>::kMaxTeams; teams *= 2) {
+  for (int teams = 1; teams <= Plan<T, kChunks, kLanes>::kMaxTeams; teams *= 2) {
     const int smem = tile_bytes + teams * stage_bytes;
     int n = 0;
     if (smem <= smem_max) {
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kNormLanes * teams, smem);
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kLanes * teams, smem);
     }
     if (n * teams > best.blocks_per_sm * best.teams) best = {teams, n};
   }
@@ -495,7 +513,7 @@ Residency residency(int tile_bytes, int stage_bytes) {
   return best;
 }
 
-template <Fp8Format F, NormType N, typename T, int kChunks, bool kWhole>
+template <Fp8Format F, NormType N, typename T, int kChunks, bool kWhole, int kLanes>
 void launch(Args a, cudaStream_t stream) {
   const NormCastParams& p = a.p;
   const bool columnwise = p.columnwise && !a.amax_only;
@@ -513,7 +531,7 @@ void launch(Args a, cudaStream_t stream) {
   a.columnwise_vec = p.rows % block_rows == 0 && device::aligned(p.columnwise, block_rows);
   a.tile_bytes = columnwise ? a.group_rows * a.tile_cols : 0;
   const int stage_bytes = static_cast<int>(p.hidden * sizeof(T));
-  const Residency res = residency<F, N, T, kChunks, kWhole>(a.tile_bytes, stage_bytes);
+  const Residency res = residency<F, N, T, kChunks, kWhole, kLanes>(a.tile_bytes, stage_bytes);
   a.teams = res.teams;
   a.steps = a.group_rows / a.teams;
   const int64_t teams_per_sm = int64_t{res.teams} * res.blocks_per_sm;
@@ -522,18 +540,23 @@ void launch(Args a, cudaStream_t stream) {
   const int64_t resident = int64_t{res.blocks_per_sm} * current_sm_count();
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min(groups, resident)));
   const int smem = a.tile_bytes + a.teams * stage_bytes;
-  norm_cast_kernel<F, N, T, kChunks, kWhole><<<grid, kNormLanes * a.teams, smem, stream>>>(a);
+  norm_cast_kernel<F, N, T, kChunks, kWhole, kLanes><<<grid, kLanes * a.teams, smem, stream>>>(a);
 }
 
 template <Fp8Format F, NormType N, typename T>
 void launch_rows(const Args& a, cudaStream_t stream) {
-  // Rows of 2048 and 4096 are one or two whole lane strides; their instances drop the per-chunk
-  // tests of this issue-bound kernel (wider whole rows spill: LayerNorm keeps more live).
-  constexpr int64_t kStride = kNormLanes * 8;
-  if (a.p.hidden == kStride) return launch<F, N, T, 1, true>(a, stream);
-  if (a.p.hidden == 2 * kStride) return launch<F, N, T, 2, true>(a, stream);
-  a.p.hidden <= kStride * 4 ? launch<F, N, T, 4, false>(a, stream)
-                            : launch<F, N, T, kNormMaxChunks, false>(a, stream);
+  // Rows of up to 4096 take 128 lanes (norm_lanes); 2048 and 4096 are two and four whole lane
+  // strides, whose instances drop the per-chunk tests of this issue-bound kernel. Wider rows
+  // take 256 lanes, 4 or 8 chunks a lane (whole instances of those spilled: LayerNorm keeps more
+  // live).
+  constexpr int kNarrow = 128;
+  static_assert(norm_lanes(4096) == kNarrow && norm_lanes(4112) == kNormLanes);
+  const int64_t h = a.p.hidden;
+  if (h == kNarrow * 8 * 2) return launch<F, N, T, 2, true, kNarrow>(a, stream);
+  if (h == kNarrow * 8 * 4) return launch<F, N, T, 4, true, kNarrow>(a, stream);
+  if (h <= kNarrow * 8 * 4) return launch<F, N, T, 4, false, kNarrow>(a, stream);
+  h <= kNormLanes * 8 * 4 ? launch<F, N, T, 4, false, kNormLanes>(a, stream)
+                          : launch<F, N, T, kNormMaxChunks, false, kNormLanes>(a, stream);
 }
 
 cudaError_t run(Args a, cudaStream_t stream) {

@@ -4,10 +4,10 @@
 //
 // The reduction order is part of the op's definition, so the CUDA kernel and the CPU reference
 // give the same bytes (mean, rstd, every output):
-//   - a row is split into 8-element chunks; lane l of kNormLanes owns chunks l, l + kNormLanes,
-//     ... and adds its elements in order into an fp32 partial starting at +0;
+//   - a row is split into 8-element chunks; lane l of L = norm_lanes(hidden) owns chunks l,
+//     l + L, ... and adds its elements in order into an fp32 partial starting at +0;
 //   - the lanes' partials reduce as warps of 32 (butterfly: lane i += lane i ^ 16, ^8, ^4, ^2,
-//     ^1), then the kNormLanes / 32 warp sums are added in warp order;
+//     ^1), then the L / 32 warp sums are added in warp order;
 //   - every operation is one IEEE fp32 operation rounded to nearest (no FMA, no rsqrt).
 // LayerNorm is two-pass over the row (held in registers): mean, then the centered variance.
 #pragma once
@@ -24,10 +24,15 @@ namespace tpfp8 {
 
 enum class NormType : int { kLayerNorm = 0, kRMSNorm = 1 };
 
-constexpr int kNormLanes = 256;       // threads (CPU: emulated lanes) that reduce one row
+constexpr int kNormLanes = 256;       // the most threads (CPU: emulated lanes) of one row
 constexpr int kNormMaxChunks = 8;     // 8-element chunks a lane holds: hidden <= 16384
 constexpr int kNormHiddenAlign = 16;  // the FP8 GEMMs' K alignment
 constexpr int64_t kNormMaxHidden = int64_t{kNormLanes} * kNormMaxChunks * 8;
+
+// The lanes that reduce a row: 128 for rows of up to 4096, so a lane holds up to 32 elements and
+// the work done once per row and lane (the team-wide sums, rstd, the walk) is spread over twice
+// as many as with 256; 256 for wider rows, which 128 lanes could not hold in registers.
+TPFP8_HD constexpr int norm_lanes(int64_t hidden) { return hidden <= 4096 ? 128 : kNormLanes; }
 
 // The term a row's second reduction sums: (x - mean)^2 for LayerNorm, x^2 for RMSNorm (whose
 // "mean" is 0 by convention).

@@ -11,16 +11,17 @@ namespace {
 // Sum of f(c) over a row's columns in the order norm_cast.h defines.
 template <typename F>
 float tree_sum(int64_t hidden, F&& f) {
+  const int n = norm_lanes(hidden);
   float lanes[kNormLanes];
-  for (int l = 0; l < kNormLanes; ++l) {
+  for (int l = 0; l < n; ++l) {
     float s = 0.0f;
-    for (int64_t c0 = int64_t{l} * 8; c0 < hidden; c0 += int64_t{kNormLanes} * 8) {
+    for (int64_t c0 = int64_t{l} * 8; c0 < hidden; c0 += int64_t{n} * 8) {
       for (int j = 0; j < 8; ++j) s = add_rn(s, f(c0 + j));
     }
     lanes[l] = s;
   }
   float total = 0.0f;
-  for (int w = 0; w < kNormLanes / 32; ++w) {
+  for (int w = 0; w < n / 32; ++w) {
     float* v = lanes + 32 * w;
     for (int offset = 16; offset >= 1; offset /= 2) {
       float next[32];
