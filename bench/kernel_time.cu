@@ -81,21 +81,32 @@ void time_copy(const Buffers& b) {
   }
 }
 
-// RMSNorm of bf16 [8192, hidden] to row-wise FP8, and column-wise too.
+// RMSNorm or LayerNorm of bf16 [8192, hidden] to row-wise FP8, column-wise too, and the bf16
+// output too (bench/norm_cast.py's case).
+void time_norm_case(const Buffers& b, NormType norm, int64_t hidden, bool columnwise, bool out) {
+  const bool ln = norm == NormType::kLayerNorm;
+  NormCastParams p;
+  p.input = b.x, p.dtype = DType::kBFloat16, p.rows = 8192, p.hidden = hidden;
+  p.norm = norm, p.gamma = b.gamma, p.beta = ln ? b.gamma : nullptr, p.scale = b.scale;
+  p.rowwise = static_cast<uint8_t*>(b.row);
+  p.columnwise = columnwise ? static_cast<uint8_t*>(b.col) : nullptr;
+  p.amax = b.amax, p.scale_inv = b.scale_inv, p.rstd = static_cast<float*>(b.out);
+  p.mean = ln ? static_cast<float*>(b.out) + 8192 : nullptr;
+  p.out = out ? b.dy : nullptr;
+  const float us = time_us([&] { norm_cast_cuda(p, 0); });
+  const double bytes = 8192.0 * hidden * (2 + 1 + columnwise + 2 * out);
+  const char* what = out ? "row+col+out" : columnwise ? "row+col" : "row";
+  printf("norm %s bf16 8192x%ld %s: %.1f us, %.0f GB/s (%s)\n", ln ? "ln" : "rms",
+         static_cast<long>(hidden), what, us, bytes / us / 1e3,
+         cudaGetErrorString(cudaGetLastError()));
+}
+
 void time_norm(const Buffers& b) {
-  for (int64_t hidden : {2048, 4096, 8192}) {
-    for (int columnwise = 0; columnwise < 2; ++columnwise) {
-      NormCastParams p;
-      p.input = b.x, p.dtype = DType::kBFloat16, p.rows = 8192, p.hidden = hidden;
-      p.norm = NormType::kRMSNorm, p.gamma = b.gamma, p.scale = b.scale;
-      p.rowwise = static_cast<uint8_t*>(b.row);
-      p.columnwise = columnwise ? static_cast<uint8_t*>(b.col) : nullptr;
-      p.amax = b.amax, p.scale_inv = b.scale_inv, p.rstd = static_cast<float*>(b.out);
-      const float us = time_us([&] { norm_cast_cuda(p, 0); });
-      const double bytes = 8192.0 * hidden * (2 + 1 + columnwise);
-      printf("norm rms bf16 8192x%ld %s: %.1f us, %.0f GB/s (%s)\n", static_cast<long>(hidden),
-             columnwise ? "row+col" : "row", us, bytes / us / 1e3,
-             cudaGetErrorString(cudaGetLastError()));
+  for (const NormType norm : {NormType::kRMSNorm, NormType::kLayerNorm}) {
+    for (int64_t hidden : {2048, 4096, 8192}) {
+      time_norm_case(b, norm, hidden, false, false);
+      time_norm_case(b, norm, hidden, true, false);
+      time_norm_case(b, norm, hidden, true, true);
     }
   }
 }
