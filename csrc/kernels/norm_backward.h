@@ -11,10 +11,11 @@
 //
 // The reduction order is part of the op's definition, so the CUDA kernels and the CPU reference
 // give the same bytes (dx, dgamma, dbeta):
-//   - row sums as norm_cast.h's: lane l of kNormLanes owns the 8-element chunks l,
-//     l + kNormLanes, ... and adds its terms in order into an fp32 partial starting at +0; the
-//     lanes' partials reduce as warps of 32 (butterfly: lane i += lane i ^ 16, ^8, ^4, ^2, ^1),
-//     then the kNormLanes / 32 warp sums are added in warp order (starting from warp 0's);
+//   - row sums as norm_cast.h's but over kNormLanes (256) lanes at every width (the forward
+//     takes 128 up to 4096): lane l owns the 8-element chunks l, l + kNormLanes, ... and adds
+//     its terms in order into an fp32 partial starting at +0; the lanes' partials reduce as
+//     warps of 32 (butterfly: lane i += lane i ^ 16, ^8, ^4, ^2, ^1), then the kNormLanes / 32
+//     warp sums are added in warp order (starting from warp 0's);
 //   - column sums in two stages over bands of norm_backward_band_rows(rows) consecutive rows
 //     (the last band may be short):
 //       partial[b][c] = +0 + term(r0, c) + term(r0 + 1, c) + ...    over the rows of band b
