@@ -38,6 +38,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 
 import torch
 from torch import nn
@@ -372,7 +373,6 @@ def sync_report(step, device):
     """Host-device synchronisations one step makes (torch's sync debug mode)."""
     if not device.startswith("cuda"):
         return ""
-    import warnings
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:

@@ -545,16 +545,19 @@ void launch(Args a, cudaStream_t stream) {
 
 template <Fp8Format F, NormType N, typename T>
 void launch_rows(const Args& a, cudaStream_t stream) {
-  // Rows of up to 4096 take 128 lanes (norm_lanes); 2048 and 4096 are two and four whole lane
+  // Rows norm_lanes gives 128 lanes (up to 4096): 2048 and 4096 are two and four whole lane
   // strides, whose instances drop the per-chunk tests of this issue-bound kernel. Wider rows
   // take 256 lanes, 4 or 8 chunks a lane (whole instances of those spilled: LayerNorm keeps more
   // live).
   constexpr int kNarrow = 128;
-  static_assert(norm_lanes(4096) == kNarrow && norm_lanes(4112) == kNormLanes);
+  static_assert(norm_lanes(kNarrow * 8 * 4 + kNormHiddenAlign) != kNarrow,
+                "128-lane rows must fit 4 chunks a lane");
   const int64_t h = a.p.hidden;
-  if (h == kNarrow * 8 * 2) return launch<F, N, T, 2, true, kNarrow>(a, stream);
-  if (h == kNarrow * 8 * 4) return launch<F, N, T, 4, true, kNarrow>(a, stream);
-  if (h <= kNarrow * 8 * 4) return launch<F, N, T, 4, false, kNarrow>(a, stream);
+  if (norm_lanes(h) == kNarrow) {
+    if (h == kNarrow * 8 * 2) return launch<F, N, T, 2, true, kNarrow>(a, stream);
+    if (h == kNarrow * 8 * 4) return launch<F, N, T, 4, true, kNarrow>(a, stream);
+    return launch<F, N, T, 4, false, kNarrow>(a, stream);
+  }
   h <= kNormLanes * 8 * 4 ? launch<F, N, T, 4, false, kNormLanes>(a, stream)
                           : launch<F, N, T, kNormMaxChunks, false, kNormLanes>(a, stream);
 }
