@@ -60,14 +60,15 @@ def check_codes(got, want):
     assert np.all(np.abs((got & 0x7F) - (want & 0x7F))[differ] == 1)
 
 
-def run(activation, x, grad, scale, fmt, current):
+def run(activation, x, grad, scale, fmt, current, high_precision=True):
+    hp = {"high_precision": high_precision}
     if grad is None:
         if current:
-            return ops.activation_cast_current(x, activation, fmt, high_precision=True)
-        return ops.activation_cast(x, scale, activation, fmt, high_precision=True)
+            return ops.activation_cast_current(x, activation, fmt, **hp)
+        return ops.activation_cast(x, scale, activation, fmt, **hp)
     if current:
-        return ops.activation_backward_cast_current(grad, x, activation, fmt, high_precision=True)
-    return ops.activation_backward_cast(grad, x, scale, activation, fmt, high_precision=True)
+        return ops.activation_backward_cast_current(grad, x, activation, fmt, **hp)
+    return ops.activation_backward_cast(grad, x, scale, activation, fmt, **hp)
 
 
 @pytest.mark.parametrize("current", [False, True], ids=["delayed", "current"])
@@ -138,12 +139,16 @@ def assert_same(cpu, gpu):
 
 
 @requires_gpu
-@pytest.mark.parametrize("shape", [(1, 16), (17, 32), (129, 160), (300, 512), (2050, 1024)])
+# (16, 64), (32, 96): a partial tile on the vector paths, row- and column-wise (a per-rank
+# fused MLP's shape under tensor parallelism).
+@pytest.mark.parametrize("shape", [(1, 16), (17, 32), (16, 64), (32, 96), (129, 160), (300, 512),
+                                   (2050, 1024)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
 @pytest.mark.parametrize("current", [False, True], ids=["delayed", "current"])
-def test_gpu_equals_cpu_bytes(shape, dtype, activation, backward, current):
+@pytest.mark.parametrize("high_precision", [True, False], ids=["with_out", "fp8_only"])
+def test_gpu_equals_cpu_bytes(shape, dtype, activation, backward, current, high_precision):
     rows, n = shape
     width = 2 * n if activation == "swiglu" else n
     x = sample((rows, width), dtype, seed=rows, specials=True)
@@ -152,7 +157,7 @@ def test_gpu_equals_cpu_bytes(shape, dtype, activation, backward, current):
     fmt = "e5m2" if backward else "e4m3"
 
     def call(x, grad, scale):
-        return run(activation, x, grad if backward else None, scale, fmt, current)
+        return run(activation, x, grad if backward else None, scale, fmt, current, high_precision)
     assert_same(*both_devices(call, x, grad, scale))
 
 

@@ -605,7 +605,13 @@ def check_fused_mlp_matches_single_rank(group):
     parallel) or on the whole input, FP8-gathered; column fc1 holding [gate_r | up_r]; SwiGLU;
     row fc2 -- against the same MLP on one rank: y, dx and every gradient, the norm's weight
     gradient summed over the group. Without biases, fc2 hands fc1 its gradient in FP8 (the
-    handoff), on each rank its own columns. Bounds as (b) in the module docstring."""
+    handoff), on each rank its own columns. Bounds as (b) in the module docstring.
+
+    The output gradient is a fixed tensor, not a function of y: on the GPU, fc2's partial sums
+    reduced across ranks move y by ~1e-4 (another summation order, 14-bit FP8 accumulation), and
+    an output gradient made from y would carry that into backward's E5M2 cast, where it flips the
+    rounding of an element now and then (2^-3 each: ~1e-2 in dx; the same 1e-4 nudge of the
+    input does that on one rank alone). That is the loss's chain, not the layer's."""
     tp, r = dist.get_world_size(), dist.get_rank()
     recipes = (None, tpfp8.DelayedScaling(amax_history_len=4), tpfp8.CurrentScaling())
     for sp, recipe, bias in itertools.product((False, True), recipes, (True, False)):
@@ -620,13 +626,15 @@ def check_fused_mlp_matches_single_rank(group):
         for one, part in ((full.fc1, split.fc1), (full.fc2, split.fc2)):
             part.load_full_state_dict(one.full_state_dict())
         x = torch.randn(S * B, K, device=DEVICE)
+        dy = torch.randn(S * B, K, device=DEVICE)
         exact = recipe is None or (sp and isinstance(recipe, tpfp8.DelayedScaling))
         bound = FP8_TIGHT if exact else 0.15  # (the GPU's GEMMs: summation order, ~1e-4)
         what = f"fused MLP sp={sp} bias={bias} {_recipe_name(recipe)}"
         for step in range(2):
-            want = _mlp_step(full, x * (step + 1), recipe, enabled=recipe is not None)
-            got = _mlp_step(split, (x.chunk(tp)[r] if sp else x) * (step + 1), recipe,
-                            enabled=recipe is not None)
+            want = _mlp_step(full, x * (step + 1), recipe, enabled=recipe is not None, dy=dy)
+            mine = (lambda t: t.chunk(tp)[r]) if sp else (lambda t: t)
+            got = _mlp_step(split, mine(x) * (step + 1), recipe, enabled=recipe is not None,
+                            dy=mine(dy))
             if sp:
                 got = [P.unshard(t.contiguous(), 0, group) for t in got]
             expect(rel(got[0], want[0]), bound, f"{what} y, step {step}")
@@ -668,11 +676,12 @@ def check_ddp_casts_with_rank0_state(group):
     assert float(seen[-1][2].sum()) > 0, "no amax recorded: the check saw no state"
 
 
-def _mlp_step(model, x, recipe, enabled=True):
+def _mlp_step(model, x, recipe, enabled=True, dy=None):
+    """(y, dx) of one step; the output gradient dy, or 2y (of y.square().sum()) without one."""
     x = x.clone().requires_grad_(True)
     with tpfp8.fp8_autocast(enabled=enabled, recipe=recipe):
         y = model(x)
-    y.square().sum().backward()
+    y.backward(2 * y.detach() if dy is None else dy)
     return [y.detach(), x.grad]
 
 
