@@ -161,6 +161,25 @@ def test_gpu_equals_cpu_bytes(shape, dtype, activation, backward, current, high_
     assert_same(*both_devices(call, x, grad, scale))
 
 
+@requires_gpu
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+@pytest.mark.parametrize("current", [False, True], ids=["delayed", "current"])
+def test_gpu_equals_cpu_bytes_for_every_bf16_gelu_input(backward, current):
+    """bf16 GELU looks most inputs up in a table (activation_cast.cu): each of the 2^16 bf16
+    values, in order (segments of 8 wholly inside or outside the table) and shuffled (beside
+    values outside it), gives the CPU's bytes."""
+    every = (torch.arange(1 << 16) - (1 << 15)).to(torch.int16).view(torch.bfloat16)
+    shuffled = every[torch.randperm(every.numel(), generator=torch.Generator().manual_seed(5))]
+    x = torch.cat([every, shuffled]).view(512, 256)
+    grad = sample((512, 256), torch.bfloat16, seed=8)
+    scale = torch.tensor([3.0])
+    fmt = "e5m2" if backward else "e4m3"
+
+    def call(x, grad, scale):
+        return run("gelu", x, grad if backward else None, scale, fmt, current)
+    assert_same(*both_devices(call, x, grad, scale))
+
+
 # ---------------------------------------------------------------------------------------------
 # Registration and errors.
 
