@@ -630,9 +630,9 @@ def check_fused_mlp_matches_single_rank(group):
         exact = recipe is None or (sp and isinstance(recipe, tpfp8.DelayedScaling))
         bound = FP8_TIGHT if exact else 0.15  # (the GPU's GEMMs: summation order, ~1e-4)
         what = f"fused MLP sp={sp} bias={bias} {_recipe_name(recipe)}"
+        mine = (lambda t: t.chunk(tp)[r]) if sp else (lambda t: t)  # this rank's rows, or all
         for step in range(2):
             want = _mlp_step(full, x * (step + 1), recipe, enabled=recipe is not None, dy=dy)
-            mine = (lambda t: t.chunk(tp)[r]) if sp else (lambda t: t)
             got = _mlp_step(split, mine(x) * (step + 1), recipe, enabled=recipe is not None,
                             dy=mine(dy))
             if sp:
