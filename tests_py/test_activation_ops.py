@@ -138,6 +138,16 @@ def assert_same(cpu, gpu):
                 name
 
 
+def assert_gpu_equals_cpu(activation, x, grad, backward, current, high_precision=True):
+    """The op on x (and grad, backward) gives the same bytes on the GPU as on the CPU."""
+    scale = torch.tensor([3.0])
+    fmt = "e5m2" if backward else "e4m3"
+
+    def call(x, grad, scale):
+        return run(activation, x, grad if backward else None, scale, fmt, current, high_precision)
+    assert_same(*both_devices(call, x, grad, scale))
+
+
 @requires_gpu
 # (16, 64), (32, 96): a partial tile on the vector paths, row- and column-wise (a per-rank
 # fused MLP's shape under tensor parallelism).
@@ -153,12 +163,7 @@ def test_gpu_equals_cpu_bytes(shape, dtype, activation, backward, current, high_
     width = 2 * n if activation == "swiglu" else n
     x = sample((rows, width), dtype, seed=rows, specials=True)
     grad = sample((rows, n), dtype, seed=n, specials=True)
-    scale = torch.tensor([3.0])
-    fmt = "e5m2" if backward else "e4m3"
-
-    def call(x, grad, scale):
-        return run(activation, x, grad if backward else None, scale, fmt, current, high_precision)
-    assert_same(*both_devices(call, x, grad, scale))
+    assert_gpu_equals_cpu(activation, x, grad, backward, current, high_precision)
 
 
 @requires_gpu
@@ -172,12 +177,7 @@ def test_gpu_equals_cpu_bytes_for_every_bf16_gelu_input(backward, current):
     shuffled = every[torch.randperm(every.numel(), generator=torch.Generator().manual_seed(5))]
     x = torch.cat([every, shuffled]).view(512, 256)
     grad = sample((512, 256), torch.bfloat16, seed=8)
-    scale = torch.tensor([3.0])
-    fmt = "e5m2" if backward else "e4m3"
-
-    def call(x, grad, scale):
-        return run("gelu", x, grad if backward else None, scale, fmt, current)
-    assert_same(*both_devices(call, x, grad, scale))
+    assert_gpu_equals_cpu("gelu", x, grad, backward, current)
 
 
 # ---------------------------------------------------------------------------------------------
