@@ -167,17 +167,20 @@ def test_gpu_equals_cpu_bytes(shape, dtype, activation, backward, current, high_
 
 
 @requires_gpu
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
 @pytest.mark.parametrize("current", [False, True], ids=["delayed", "current"])
-def test_gpu_equals_cpu_bytes_for_every_bf16_gelu_input(backward, current):
-    """bf16 GELU looks most inputs up in a table (activation_cast.cu): each of the 2^16 bf16
-    values, in order (segments of 8 wholly inside or outside the table) and shuffled (beside
-    values outside it), gives the CPU's bytes."""
+def test_gpu_equals_cpu_bytes_for_every_bf16_input(activation, backward, current):
+    """bf16 activations look most inputs up in tables (activation_cast.cu): each of the 2^16
+    bf16 values of x (SwiGLU: of the gate a), in order (segments of 8 wholly inside or outside
+    the table) and shuffled (beside values outside it), gives the CPU's bytes."""
     every = (torch.arange(1 << 16) - (1 << 15)).to(torch.int16).view(torch.bfloat16)
     shuffled = every[torch.randperm(every.numel(), generator=torch.Generator().manual_seed(5))]
     x = torch.cat([every, shuffled]).view(512, 256)
+    if activation == "swiglu":
+        x = torch.cat([x, sample((512, 256), torch.bfloat16, seed=9)], dim=1)  # [a | b]
     grad = sample((512, 256), torch.bfloat16, seed=8)
-    assert_gpu_equals_cpu("gelu", x, grad, backward, current)
+    assert_gpu_equals_cpu(activation, x, grad, backward, current)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,9 +21,9 @@
 // across tiles and through the column-wise stores: with one segment's loads in flight per
 // thread only while it waited on them, SwiGLU ran at ~2 TB/s.
 //
-// GELU of bf16 inputs skips the math for nearly every element: a table of its values over the
+// bf16 inputs skip the math for nearly every element: tables of what depends on x alone over the
 // 4096 bf16 inputs with 2^-12 <= |x| < 16, filled by each block with the same functions
-// (GeluTable), takes 16 KiB of shared memory before the tiles (5 blocks forward, 4 backward).
+// (ActivationTable), take 16 KiB (32 for SwiGLU's backward) of shared memory before the tiles.
 //
 // dbias (backward) is cast.h's order of column sums, which is this layout: a thread adds its
 // segments' fp32 results over the 8 passes in registers (a lane sum of 8 columns per output
@@ -222,41 +222,62 @@ __device__ __forceinline__ void wait_copies() {
 #endif
 }
 
-// GELU (or its derivative) of bf16 inputs from a table in shared memory. A bf16 takes 2^16
-// values, and the 4096 with 2^-12 <= |x| < 16 hold nearly every activation a layer makes. Each
-// block fills the table at its start with the same device functions the other elements go
-// through, so a looked-up value is the computed one, bit for bit; a segment with any element
-// outside (zeros, tiny, huge, inf, NaN, padding) computes all eight. The exact math is ~70
-// instructions an element (issue-bound: more resident blocks made it slower), a lookup ~6.
-struct GeluTable {
+// An activation of bf16 inputs from tables in shared memory. A bf16 takes 2^16 values, and the
+// 4096 with 2^-12 <= |x| < 16 hold nearly every activation a layer makes. What depends on x (on
+// the gate a for SwiGLU) alone is tabulated: GELU(x) or GELU'(x), silu(a), or silu'(a) and
+// a sigmoid(a) (two tables); the rest is the multiplies the formulas end with, in their order.
+// Each block fills its tables at its start with the same device functions the other elements
+// go through, so a looked-up value is the computed one, bit for bit; a segment with any
+// element outside (zeros, tiny, huge, inf, NaN, padding) computes all eight. The exact math is
+// 45-70 instructions an element (issue-bound: more resident blocks made GELU slower), a
+// lookup ~6.
+template <Activation A, bool kBackward>
+struct ActivationTable {
   static constexpr uint32_t kLowExponent = 127 - 12;  // biased: |x| >= 2^-12
   static constexpr uint32_t kHalf = 16 * 128;         // 16 exponents (|x| < 2^4) of 128 codes
-  static constexpr int kEntries = 2 * kHalf;          // [sign][exponent][mantissa]
-  static constexpr int kBytes = kEntries * 4;
+  static constexpr int kEntries = 2 * kHalf;          // a table: [sign][exponent][mantissa]
+  static constexpr int kTables = A == Activation::kSwiGLU && kBackward ? 2 : 1;
+  static constexpr int kBytes = kTables * kEntries * 4;
 
-  template <bool kBackward>
   __device__ static void fill(float* table) {
     for (uint32_t i = threadIdx.x; i < kEntries; i += kThreads) {
       const uint32_t bits = ((i & kHalf) << 4) | ((i & (kHalf - 1)) + (kLowExponent << 7));
       const float x = bits_float(bits << 16);
-      table[i] = kBackward ? gelu_grad(x) : gelu(x);
+      if constexpr (A == Activation::kGelu) {
+        table[i] = kBackward ? gelu_grad(x) : gelu(x);
+      } else if constexpr (kBackward) {
+        silu_grad_factors(x, table[i], table[kEntries + i]);
+      } else {
+        table[i] = silu(x);
+      }
     }
   }
 
-  // y = GELU(x), or backward dy GELU'(x), for a segment of 8; false (y unset) where an element
-  // lies outside the table.
-  template <bool kBackward>
-  __device__ static bool lookup(const float* table, const Pack8<bf16_t>& x, const Pack8<bf16_t>& dy,
-                                float* y) {
+  // A segment's results from its inputs (x0, x1 for SwiGLU, g for backward, as
+  // activation_element takes them); false (y unset) where an element of x0 lies outside.
+  template <int kInputs>
+  __device__ static bool lookup(const float* table, const Pack8<bf16_t> (&in)[kInputs], float* y0,
+                                float* y1) {
     uint32_t worst = 0;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) worst = max(worst, magnitude(x.v[j].bits));
+    for (int j = 0; j < 8; ++j) worst = max(worst, magnitude(in[0].v[j].bits));
     if (worst >= kHalf) return false;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const uint32_t u = x.v[j].bits;
-      const float v = table[magnitude(u) | ((u >> 4) & kHalf)];  // (u >> 4: the sign bit)
-      y[j] = kBackward ? mul_rn(device::load_float(dy.v[j]), v) : v;
+      const uint32_t u = in[0].v[j].bits;
+      const uint32_t at = magnitude(u) | ((u >> 4) & kHalf);  // (u >> 4: the sign bit)
+      const float g = kBackward ? device::load_float(in[kInputs - 1].v[j]) : 0.0f;
+      if constexpr (A == Activation::kGelu) {
+        y0[j] = kBackward ? mul_rn(g, table[at]) : table[at];
+      } else {
+        const float b = device::load_float(in[1].v[j]);
+        if constexpr (kBackward) {
+          y0[j] = mul_rn(mul_rn(g, b), table[at]);  // as swiglu_grad
+          y1[j] = mul_rn(g, table[kEntries + at]);
+        } else {
+          y0[j] = mul_rn(table[at], b);
+        }
+      }
     }
     return true;
   }
@@ -266,8 +287,8 @@ struct GeluTable {
   }
 };
 
-template <Activation A, typename T>
-constexpr bool kGeluTable = A == Activation::kGelu && std::is_same_v<T, bf16_t>;
+template <typename T>
+constexpr bool kTabulated = std::is_same_v<T, bf16_t>;
 
 // kDbias (backward only): also the tiles' rows of dbias_partial, a separate instance so the
 // others keep their registers.
@@ -283,11 +304,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<A, kBackward, T, kDbias>)
   // kOutTiles FP8 tiles with column-wise output (else none; 16-byte aligned: rows are written
   // as 8-byte words), then kStages input stages when `vec`. The dbias instances' warp sums
   // (kOutTiles * kSumBytes) take the FP8 tiles once stored, else follow the stages.
-  // (bf16 GELU: its table first.)
-  constexpr bool kTable = kGeluTable<A, T>;
+  // (bf16: the activation's tables first.)
+  constexpr bool kTable = kTabulated<T>;
+  using Table = ActivationTable<A, kBackward>;
   extern __shared__ __align__(16) uint32_t smem[];
   float* const table = reinterpret_cast<float*>(smem);
-  uint32_t* const tiles = smem + (kTable ? GeluTable::kBytes / 4 : 0);
+  uint32_t* const tiles = smem + (kTable ? Table::kBytes / 4 : 0);
   uint4* const stages =
       reinterpret_cast<uint4*>(tiles + (a.columnwise ? kOutTiles * kTileWords : 0));
   float* const warp_sums =
@@ -328,7 +350,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<A, kBackward, T, kDbias>)
     }
   }
   if constexpr (kTable) {
-    GeluTable::fill<kBackward>(table);  // while the first inputs are in flight
+    Table::fill(table);  // while the first inputs are in flight
     __syncthreads();
   }
   uint32_t local_amax = 0;
@@ -356,7 +378,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<A, kBackward, T, kDbias>)
       float y0[8], y1[8] = {};
       bool looked_up = false;
       if constexpr (kTable) {
-        looked_up = GeluTable::lookup<kBackward>(table, in[0], in[kInputs - 1], y0);
+        looked_up = Table::lookup(table, in, y0, y1);
       }
       if (!looked_up) {
 #pragma unroll
@@ -466,7 +488,7 @@ void launch(const ActivationCastParams& p, cudaStream_t stream) {
   // Column-wise output goes through the shared tiles, aligned inputs through the stages; the
   // warp sums of dbias need their own room only without the tiles.
   const bool with_tiles = p.columnwise != nullptr;
-  constexpr int kTableBytes = kGeluTable<A, T> ? GeluTable::kBytes : 0;
+  constexpr int kTableBytes = kTabulated<T> ? ActivationTable<A, kBackward>::kBytes : 0;
   const int smem = kTableBytes + (with_tiles ? kOutTiles * kTileBytes : 0) +
                    (vec ? kStageBytes : 0) + (kDbias && !with_tiles ? kOutTiles * kSumBytes : 0);
   const int64_t tiles = ((p.rows + kFp8Tile - 1) / kFp8Tile) * ((p.n + kFp8Tile - 1) / kFp8Tile);

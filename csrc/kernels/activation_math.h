@@ -157,11 +157,17 @@ TPFP8_HD float silu(float a) { return div_rn(a, one_plus_exp(-a)); }
 
 // SwiGLU's derivatives for y = silu(a) * b and upstream gradient dy:
 //   da = dy b sigmoid(a) (1 + a (1 - sigmoid(a))),  db = dy silu(a).
-TPFP8_HD void swiglu_grad(float a, float b, float dy, float& da, float& db) {
+// The factors that depend on a alone: silu'(a) and a sigmoid(a) (tabulated by the bf16 kernels).
+TPFP8_HD void silu_grad_factors(float a, float& dsilu, float& a_sigmoid) {
   const float s = div_rn(1.0f, one_plus_exp(-a));
-  const float dsilu = mul_rn(s, add_rn(1.0f, mul_rn(a, sub_rn(1.0f, s))));
+  dsilu = mul_rn(s, add_rn(1.0f, mul_rn(a, sub_rn(1.0f, s))));
+  a_sigmoid = mul_rn(a, s);
+}
+TPFP8_HD void swiglu_grad(float a, float b, float dy, float& da, float& db) {
+  float dsilu, a_sigmoid;
+  silu_grad_factors(a, dsilu, a_sigmoid);
   da = mul_rn(mul_rn(dy, b), dsilu);
-  db = mul_rn(dy, mul_rn(a, s));
+  db = mul_rn(dy, a_sigmoid);
 }
 
 }  // namespace tpfp8
