@@ -135,6 +135,23 @@ def test_inductor_compiles_our_layers_bit_for_bit(device):
             assert (a is None and b is None) or torch.equal(a, b), f"step {i}"
 
 
+def test_a_second_model_runs_no_graph_traced_for_the_first(device):
+    """Models of the same classes share torch.compile's graphs. The graph of the first model's
+    later steps (its FP8 state made) must not run the second model's first step, whose state
+    is not made yet: that step equals eager's, state included."""
+    eager = two_layers(device)
+    _, first = compiled_twin(eager)
+    x = torch.randn(16, 32, device=device)
+    for _ in range(2):
+        step(first, x, DELAYED)
+    second = torch.compile(copy.deepcopy(eager), fullgraph=True, backend="aot_eager")
+    recipe = tpfp8.DelayedScaling()  # another object, as when a loop makes one per step
+    for i in range(2):
+        got, want = step(second, x, recipe), step(eager, x, recipe)
+        for a, b in zip(got, want):
+            assert (a is None and b is None) or torch.equal(a, b), f"step {i}"
+
+
 def test_missing_main_grad_is_a_clear_error_under_compile():
     torch._dynamo.reset()
     block = Block(fuse_wgrad_accumulation=True)

@@ -268,6 +268,7 @@ class Linear(nn.Linear):
         # recomputes (now kept by the checkpoints themselves).
         state.setdefault("_fp8_updates", 0)
         state.setdefault("_fp8_ran_fp8", state.get("_fp8_recipe") is not None)
+        state.setdefault("_fp8_recipe_key", _scaling.recipe_key(state.get("_fp8_recipe")))
         for name in ("_fp8_ran", "_fp8_ran_no_grad", "_fp8_replayed", "_fp8_repeating",
                      "_fp8_loose"):
             state.pop(name, None)
@@ -299,6 +300,8 @@ class Linear(nn.Linear):
             raise AttributeError(f"Linear.{name} is fixed when the layer is built (it sets the "
                                  f"parameters' shapes and split); build a new tpfp8.Linear")
         super().__setattr__(name, value)
+        if name == "_fp8_recipe":
+            super().__setattr__("_fp8_recipe_key", _scaling.recipe_key(value))
         if name in _SETTINGS and "_config" in self.__dict__:  # takes effect at the next call
             self._config = self._make_config()
         if name == "name" and "_debug_handle" in self.__dict__:
@@ -471,7 +474,10 @@ class Linear(nn.Linear):
         module's own buffers, or new tensors made from them (another history length, format or
         device)."""
         mine = self._state()
-        if self._fp8_recipe is recipe and mine[0].device == device:  # (every step after the first)
+        # By key, not `self._fp8_recipe is recipe`: when both are one object, torch.compile
+        # guards it only where it was read first (the autocast frame), so the graph of a later
+        # step would also run another model's first call, whose state is not made yet.
+        if self._fp8_recipe_key == _scaling.recipe_key(recipe) and mine[0].device == device:
             return mine, False
         if self._fp8_recipe is None and mine[0].device != device:  # (e.g. left on "meta")
             return _scaling.fresh(recipe, device), True
@@ -548,7 +554,7 @@ class Linear(nn.Linear):
             return
         if call.new_state:
             self._keep_state(call.state)
-        if self._fp8_recipe is not frame["recipe"]:
+        if self._fp8_recipe_key != _scaling.recipe_key(frame["recipe"]):  # (see _delayed_state)
             self._fp8_recipe = frame["recipe"]
         if self._fp8_amax_group is not call.amax_group:
             self._fp8_amax_group = call.amax_group

@@ -28,6 +28,14 @@ def recipe_codes(recipe) -> tuple:
     return _DELAYED, int(fwd), int(grad), 0.0
 
 
+def recipe_key(recipe) -> tuple:
+    """What a layer's delayed-scaling state was made for, as plain values (None: nothing
+    yet); a layer keeps it beside its recipe (module.py's _delayed_state says why)."""
+    if recipe is None:
+        return None
+    return (recipe.margin, recipe.fp8_format, recipe.amax_history_len, recipe.amax_compute_algo)
+
+
 def maxima(recipe: DelayedScaling) -> tuple:
     """The largest FP8 value of each of the three tensors' formats."""
     fwd, grad = recipe.formats
