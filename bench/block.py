@@ -11,8 +11,8 @@ of bench/compile.py's MLP, where the casts around the Linears (norm, activation)
 Sizes (hidden / FFN / heads / KV heads): 8b = 4096 / 14336 / 32 / 8, 1b = 2048 / 8192 / 32 / 8,
 tiny = 64 / 128 / 4 / 2 (smoke runs). Each step is --batch sequences of --seq tokens (default
 2 x 4096 = 8192 tokens). Timing, compilation, error and state checks as bench/compile.py (it
-runs the cases); speed-ups are against the fastest of bf16 eager, compiled and compiled with
-CUDA graphs (reduce-overhead).
+runs the cases); speed-ups are against the fastest of bf16 eager, compiled, compiled with
+CUDA graphs (reduce-overhead) and the whole step in one CUDA graph (eager or compiled).
 """
 import copy
 import os
@@ -30,8 +30,8 @@ from common import device_name, make_parser, print_table, save_json  # noqa: E40
 SIZES = {"8b": (4096, 14336, 32, 8), "1b": (2048, 8192, 32, 8), "tiny": (64, 128, 4, 2)}
 # CUDA graphs for the bf16 baseline and the fused delayed layer only: the 8B layer is GPU-bound,
 # the 1B one about as host-bound as GPU-bound.
-CASES = [c for c in cases_runner.CASES if c[3] != "reduce-overhead" or c[0] in (
-    "bf16 compile reduce-overhead", "tpfp8 fused delayed compile reduce-overhead")]
+CASES = [c for c in cases_runner.CASES if c[3] not in ("reduce-overhead", "graph", "default graph")
+         or c[1] == "bf16" or c[0].startswith(("tpfp8 fused delayed compile", "torchao"))]
 
 
 class DecoderLayer(nn.Module):

@@ -62,6 +62,25 @@ def time_ms(fn, device: str, reps: int, warmup: int = 5, pipelined: bool = False
     return statistics.median(times)
 
 
+def graphed(fn, warmup: int = 3):
+    """`fn` captured in a CUDA graph after `warmup` calls on a side stream: a callable that
+    replays it and returns what the captured call returned (its static output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+    return replay
+
+
 def device_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))

@@ -2,7 +2,10 @@
 -> hidden, with biases) under torch.compile: tpfp8 (delayed and current scaling) eager,
 torch.compile(model) and torch.compile(model, mode="reduce-overhead"), beside bf16 nn.Linear
 eager and compiled (both modes) and torchao's float8 training (tensorwise and rowwise)
-compiled. Every speed-up is against the FASTEST of the bf16 variants at that size.
+compiled. Also each of bf16 and tpfp8 with the whole step captured in one CUDA graph
+(torch.cuda.graph, as TransformerEngine's make_graphed_callables or a training loop graphed by
+hand): the step's GPU work without the host's time between kernels. Every speed-up is against
+the FASTEST of the bf16 variants at that size, its CUDA graphs included.
 
   python bench/compile.py                               # hidden 1024, 4096, 8192; 8192 tokens
   python bench/compile.py --hidden 4096 --cases tpfp8,bf16
@@ -19,7 +22,9 @@ A step is gradients set to None, then forward and backward of one [tokens, hidde
 gradient. For tpfp8 the step runs inside `with tpfp8.fp8_autocast(recipe=...)`, opened OUTSIDE
 the compiled callable and closed at the end of every step, backward included (its exit makes
 the delayed-scaling update; tpfp8's backward runs in FP8 whether or not it is inside).
-reduce-overhead steps start with torch.compiler.cudagraph_mark_step_begin().
+reduce-overhead steps start with torch.compiler.cudagraph_mark_step_begin(). A graphed step is
+that step, warmed up on a side stream and captured; replays run the update too, so the amax
+histories roll as eager's do.
 
 Each case is compiled and warmed up first (--warmup untimed steps: compilation and CUDA-graph
 recording; the first step's wall time is reported), then timed as bench/linear.py times its
@@ -44,33 +49,43 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (device_name, make_parser, parse_shapes, print_table,  # noqa: E402
-                    save_json, time_ms)
+from common import (device_name, graphed, make_parser, parse_shapes,  # noqa: E402
+                    print_table, save_json, time_ms)
 
 import tpfp8  # noqa: E402
 
 HIDDEN = [1024, 4096, 8192]
 TOKENS = 8192
 
-# (name, family, variant, compile mode): mode None = eager, "default" = torch.compile(model)
+# (name, family, variant, mode): None = eager, "default" = torch.compile(model),
+# "reduce-overhead" = torch.compile(model, mode="reduce-overhead"); "graph" / "default graph" =
+# the whole eager / torch.compile(model) step (fp8_autocast's exit included) captured in one
+# CUDA graph (torch.cuda.graph) and replayed: the GPU's work with no host time between kernels.
 CASES = [
     ("bf16 eager", "bf16", None, None),
     ("bf16 compile", "bf16", None, "default"),
     ("bf16 compile reduce-overhead", "bf16", None, "reduce-overhead"),
+    ("bf16 cuda graph", "bf16", None, "graph"),
+    ("bf16 compile cuda graph", "bf16", None, "default graph"),
     ("tpfp8 delayed eager", "tpfp8", "delayed", None),
     ("tpfp8 delayed compile", "tpfp8", "delayed", "default"),
     ("tpfp8 delayed compile reduce-overhead", "tpfp8", "delayed", "reduce-overhead"),
+    ("tpfp8 delayed cuda graph", "tpfp8", "delayed", "graph"),
     ("tpfp8 current eager", "tpfp8", "current", None),
     ("tpfp8 current compile", "tpfp8", "current", "default"),
     ("tpfp8 current compile reduce-overhead", "tpfp8", "current", "reduce-overhead"),
     ("tpfp8 fused delayed eager", "tpfp8 fused", "delayed", None),
     ("tpfp8 fused delayed compile", "tpfp8 fused", "delayed", "default"),
     ("tpfp8 fused delayed compile reduce-overhead", "tpfp8 fused", "delayed", "reduce-overhead"),
+    ("tpfp8 fused delayed cuda graph", "tpfp8 fused", "delayed", "graph"),
+    ("tpfp8 fused delayed compile cuda graph", "tpfp8 fused", "delayed", "default graph"),
     ("tpfp8 fused current compile", "tpfp8 fused", "current", "default"),
+    ("tpfp8 fused current cuda graph", "tpfp8 fused", "current", "graph"),
     ("torchao tensorwise compile", "torchao", "tensorwise", "default"),
+    ("torchao tensorwise compile cuda graph", "torchao", "tensorwise", "default graph"),
     ("torchao rowwise compile", "torchao", "rowwise", "default"),
 ]
-BF16 = ("bf16 eager", "bf16 compile", "bf16 compile reduce-overhead")
+BF16 = tuple(c[0] for c in CASES if c[1] == "bf16")
 
 
 class Skip(Exception):
@@ -129,7 +144,7 @@ def build(case, reference, device):
     """(model to call, module holding the parameters, recipe or None) for a case."""
     name, family, variant, mode = case
     cuda = device.startswith("cuda")
-    if mode == "reduce-overhead" and not cuda:
+    if mode in ("reduce-overhead", "graph", "default graph") and not cuda:
         raise Skip("needs CUDA")
     if family == "torchao" and not cuda:
         raise Skip("needs CUDA")
@@ -150,7 +165,7 @@ def build(case, reference, device):
             config = config_cls()  # the default: tensorwise dynamic scaling
         model = convert(model, config=config)
     fn = model
-    if mode == "default":
+    if mode in ("default", "default graph"):
         fn = torch.compile(model)
     elif mode == "reduce-overhead":
         fn = torch.compile(model, mode="reduce-overhead")
@@ -236,18 +251,26 @@ def run_size(tokens, hidden, args, cases, factory=None):
         except Exception as exc:
             fail(r, name, exc, "building")
             continue
-        step = make_step(fn, model, recipe, x, dy, mode == "reduce-overhead")
+        graph = mode in ("graph", "default graph")
+        # A captured step gets a leaf of its own: a leaf's gradient node is shared by the steps
+        # of every case and keeps the stream of the last (reduce-overhead's), on which a capture
+        # cannot wait.
+        x_in = x.detach().clone().requires_grad_() if graph else x
+        step = make_step(fn, model, recipe, x_in, dy, mode == "reduce-overhead")
         counters.clear()
         try:
             sync(device)
             t0 = time.perf_counter()
-            step()
+            if graph:
+                step = graphed(step)  # its first step: warm-up and capture
+            else:
+                step()
             sync(device)
             r["first_step_s"] = time.perf_counter() - t0
             for _ in range(max(args.warmup - 1, 0)):
                 step()
             sync(device)
-            if mode is not None:
+            if mode in ("default", "reduce-overhead", "default graph"):
                 r.update(compile_counters())
         except Exception as exc:
             fail(r, name, exc, "compiling / warming up")
@@ -256,7 +279,7 @@ def run_size(tokens, hidden, args, cases, factory=None):
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
             continue
-        extra = "" if mode is None else (f", {r['graph_breaks']} graph breaks, "
+        extra = "" if "graph_breaks" not in r else (f", {r['graph_breaks']} graph breaks, "
                                          f"{r['cudagraph_skips']} cudagraph skips")
         print(f"  {name}: first step {r['first_step_s']:.1f} s{extra}", flush=True)
         live[name] = (step, model)
@@ -466,7 +489,7 @@ def main(argv=None):
     names = [c[0] for c in cases]
     print(f"\nMLP block (fc1 {'/'.join(str(r['hidden']) for r in results)} -> 4x, exact GELU, "
           f"fc2; bias; bf16) forward+backward on {dev}: speed-up vs the fastest bf16 variant "
-          f"(eager, compile or compile reduce-overhead) at that size, ms per step in brackets; "
+          f"(eager, compiled, CUDA graphs) at that size, ms per step in brackets; "
           f"steady state of back-to-back steps")
     print_table(["case"] + [f"{r['tokens']}x{r['hidden']}" for r in results],
                 [[n] + [cell(r["cases"][n]) for r in results] for n in names])

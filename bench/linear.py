@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (device_name, make_parser, parse_shapes, print_table,  # noqa: E402
-                    save_bar_plot, save_json, time_ms)
+from common import (device_name, graphed, make_parser, parse_shapes,  # noqa: E402
+                    print_table, save_bar_plot, save_json, time_ms)
 
 import tpfp8  # noqa: E402
 
@@ -105,20 +105,6 @@ def make_cases(m, k, n, device):
     forwards = {"bf16 nn.Linear": bf16, "tpfp8 delayed": fp8_forward(tpfp8.DelayedScaling()),
                 "tpfp8 current": fp8_forward(tpfp8.CurrentScaling())}
     return cases, forwards
-
-
-def graphed(fn):
-    """`fn` captured in a CUDA graph after warm-up on a side stream; returns its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def saved_bytes(forward, m, k, device):

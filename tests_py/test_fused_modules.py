@@ -13,7 +13,7 @@ import tpfp8
 from tpfp8 import ops
 
 import fp8_oracle
-from conftest import state_of
+from conftest import requires_gpu, state_of
 from test_compile import assert_one_graph, compiled_twin, with_main_grad
 
 DELAYED, CURRENT = tpfp8.DelayedScaling(), tpfp8.CurrentScaling()
@@ -215,6 +215,51 @@ def test_bf16_mlp_handoff_is_as_close_to_fp64_as_the_composition(recipe):
         err_want = float((w.double() - t).norm() / t.norm())
         # (E5M2 gradients: 2 mantissa bits, ~10 % relative error in dx either way)
         assert err_got < 0.25 and err_got <= 1.25 * err_want + 1e-3, (i, err_got, err_want)
+
+
+@requires_gpu
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_gpu_whole_step_in_one_cuda_graph_equals_eager(recipe, activation):
+    """A training step of a bf16 LayerNormMLP, fp8_autocast's exit (the delayed-scaling
+    update) included, captured in one CUDA graph (bench/compile.py's "cuda graph" cases):
+    each replay on a new input equals an eager step bit for bit, FP8 state included."""
+    torch.manual_seed(0)
+    graphed = tpfp8.LayerNormMLP(256, 512, activation=activation, normalization="RMSNorm",
+                                 device="cuda").to(torch.bfloat16)
+    eager = copy.deepcopy(graphed)
+    static_x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+
+    def step(model, x):
+        with tpfp8.fp8_autocast(recipe=RECIPES[recipe]):
+            y = model(x)
+        y.backward(dy)
+        return y
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up on the capture stream, the eager twin alike
+            step(graphed, static_x)
+            step(eager, static_x.detach().clone().requires_grad_())
+        graph = torch.cuda.CUDAGraph()
+        for p in [static_x, *graphed.parameters()]:
+            p.grad = None  # the captured backward writes its gradients, not adds
+        with torch.cuda.graph(graph, stream=stream):
+            static_y = step(graphed, static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    for i in range(3):
+        x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16) * (i + 1)
+        static_x.data.copy_(x)
+        graph.replay()
+        for p in eager.parameters():
+            p.grad = None
+        x = x.requires_grad_()
+        want_y = step(eager, x)
+        assert_same([static_y, static_x.grad, *[p.grad for p in graphed.parameters()]],
+                     [want_y, x.grad, *[p.grad for p in eager.parameters()]], f"replay {i}")
+        for g, e in ((graphed.fc1, eager.fc1), (graphed.fc2, eager.fc2)):
+            assert_same(state_of(g), state_of(e), f"FP8 state, replay {i}")
 
 
 def test_norm_linear_is_close_to_an_fp64_emulation(device):
