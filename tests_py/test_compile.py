@@ -135,11 +135,17 @@ def test_inductor_compiles_our_layers_bit_for_bit(device):
             assert (a is None and b is None) or torch.equal(a, b), f"step {i}"
 
 
-def test_a_second_model_runs_no_graph_traced_for_the_first(device):
+def fused_mlp(device):
+    torch.manual_seed(0)
+    return tpfp8.LayerNormMLP(32, 64, activation="swiglu", device=device)
+
+
+@pytest.mark.parametrize("factory", [two_layers, fused_mlp], ids=["linears", "LayerNormMLP"])
+def test_a_second_model_runs_no_graph_traced_for_the_first(device, factory):
     """Models of the same classes share torch.compile's graphs. The graph of the first model's
     later steps (its FP8 state made) must not run the second model's first step, whose state
     is not made yet: that step equals eager's, state included."""
-    eager = two_layers(device)
+    eager = factory(device)
     _, first = compiled_twin(eager)
     x = torch.randn(16, 32, device=device)
     for _ in range(2):
