@@ -30,7 +30,7 @@ from common import device_name, make_parser, print_table, save_json  # noqa: E40
 SIZES = {"8b": (4096, 14336, 32, 8), "1b": (2048, 8192, 32, 8), "tiny": (64, 128, 4, 2)}
 # CUDA graphs (reduce-overhead, the whole step) for the bf16 baseline, the fused delayed layer
 # and torchao only: the 8B layer is GPU-bound, the 1B one about as host-bound as GPU-bound.
-CASES = [c for c in cases_runner.CASES if c[3] not in ("reduce-overhead", "graph", "default graph")
+CASES = [c for c in cases_runner.CASES if c[3] not in cases_runner.CUDA_ONLY
          or c[1] == "bf16" or c[0].startswith(("tpfp8 fused delayed compile", "torchao"))]
 
 

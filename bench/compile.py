@@ -86,6 +86,9 @@ CASES = [
     ("torchao rowwise compile", "torchao", "rowwise", "default"),
 ]
 BF16 = tuple(c[0] for c in CASES if c[1] == "bf16")
+GRAPHED = ("graph", "default graph")  # the modes that capture the whole step
+COMPILED = ("default", "reduce-overhead", "default graph")
+CUDA_ONLY = ("reduce-overhead",) + GRAPHED
 
 
 class Skip(Exception):
@@ -144,7 +147,7 @@ def build(case, reference, device):
     """(model to call, module holding the parameters, recipe or None) for a case."""
     name, family, variant, mode = case
     cuda = device.startswith("cuda")
-    if mode in ("reduce-overhead", "graph", "default graph") and not cuda:
+    if mode in CUDA_ONLY and not cuda:
         raise Skip("needs CUDA")
     if family == "torchao" and not cuda:
         raise Skip("needs CUDA")
@@ -165,7 +168,7 @@ def build(case, reference, device):
             config = config_cls()  # the default: tensorwise dynamic scaling
         model = convert(model, config=config)
     fn = model
-    if mode in ("default", "default graph"):
+    if mode in ("default", "default graph"):  # (the graph is captured in run_size)
         fn = torch.compile(model)
     elif mode == "reduce-overhead":
         fn = torch.compile(model, mode="reduce-overhead")
@@ -251,7 +254,7 @@ def run_size(tokens, hidden, args, cases, factory=None):
         except Exception as exc:
             fail(r, name, exc, "building")
             continue
-        graph = mode in ("graph", "default graph")
+        graph = mode in GRAPHED
         # A captured step gets a leaf of its own: a leaf's gradient node is shared by the steps
         # of every case and keeps the stream of the last (reduce-overhead's), on which a capture
         # cannot wait.
@@ -270,7 +273,7 @@ def run_size(tokens, hidden, args, cases, factory=None):
             for _ in range(max(args.warmup - 1, 0)):
                 step()
             sync(device)
-            if mode in ("default", "reduce-overhead", "default graph"):
+            if mode in COMPILED:
                 r.update(compile_counters())
         except Exception as exc:
             fail(r, name, exc, "compiling / warming up")
