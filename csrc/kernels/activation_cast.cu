@@ -227,10 +227,11 @@ __device__ __forceinline__ void wait_copies() {
 // the gate a for SwiGLU) alone is tabulated: GELU(x) or GELU'(x), silu(a), or silu'(a) and
 // a sigmoid(a) (two tables); the rest is the multiplies the formulas end with, in their order.
 // Each block fills its tables at its start with the same device functions the other elements
-// go through, so a looked-up value is the computed one, bit for bit; a segment with any
-// element outside (zeros, tiny, huge, inf, NaN, padding) computes all eight. The exact math is
-// 45-70 instructions an element (issue-bound: more resident blocks made GELU slower), a
-// lookup ~6.
+// go through, so a looked-up value is the computed one, bit for bit. An element outside (zeros,
+// tiny, huge, inf, NaN, padding) is computed, alone: the rest of its segment is still looked up
+// (|x| < 2^-12 is ~1 in 5000 normal activations, so ~3-5 % of a warp's segments hold one, and
+// the warp waits for one computed element instead of eight). The exact math is 45-70
+// instructions an element (issue-bound: more resident blocks made GELU slower), a lookup ~6.
 template <Activation A, bool kBackward>
 struct ActivationTable {
   static constexpr uint32_t kLowExponent = 127 - 12;  // biased: |x| >= 2^-12
@@ -253,33 +254,33 @@ struct ActivationTable {
     }
   }
 
-  // A segment's results from its inputs (x0, x1 for SwiGLU, g for backward, as
-  // activation_element takes them); false (y unset) where an element of x0 lies outside.
-  template <int kInputs>
-  __device__ static bool lookup(const float* table, const Pack8<bf16_t> (&in)[kInputs], float* y0,
-                                float* y1) {
+  // Whether the tables hold x (x0's bits) / every x of a segment.
+  __device__ static bool holds(uint16_t bits) { return magnitude(bits) < kHalf; }
+  __device__ static bool holds(const Pack8<bf16_t>& x) {
     uint32_t worst = 0;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) worst = max(worst, magnitude(in[0].v[j].bits));
-    if (worst >= kHalf) return false;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const uint32_t u = in[0].v[j].bits;
-      const uint32_t at = magnitude(u) | ((u >> 4) & kHalf);  // (u >> 4: the sign bit)
-      const float g = kBackward ? device::load_float(in[kInputs - 1].v[j]) : 0.0f;
-      if constexpr (A == Activation::kGelu) {
-        y0[j] = kBackward ? mul_rn(g, table[at]) : table[at];
+    for (int j = 0; j < 8; ++j) worst = max(worst, magnitude(x.v[j].bits));
+    return worst < kHalf;
+  }
+  // Element j's results from its inputs (x0, x1 for SwiGLU, g for backward, as
+  // activation_element takes them), where the tables hold its x0.
+  template <int kInputs>
+  __device__ static void lookup(const float* table, const Pack8<bf16_t> (&in)[kInputs], int j,
+                                float& y0, float& y1) {
+    const uint32_t u = in[0].v[j].bits;
+    const uint32_t at = magnitude(u) | ((u >> 4) & kHalf);  // (u >> 4: the sign bit)
+    const float g = kBackward ? device::load_float(in[kInputs - 1].v[j]) : 0.0f;
+    if constexpr (A == Activation::kGelu) {
+      y0 = kBackward ? mul_rn(g, table[at]) : table[at];
+    } else {
+      const float b = device::load_float(in[1].v[j]);
+      if constexpr (kBackward) {
+        y0 = mul_rn(mul_rn(g, b), table[at]);  // as swiglu_grad
+        y1 = mul_rn(g, table[kEntries + at]);
       } else {
-        const float b = device::load_float(in[1].v[j]);
-        if constexpr (kBackward) {
-          y0[j] = mul_rn(mul_rn(g, b), table[at]);  // as swiglu_grad
-          y1[j] = mul_rn(g, table[kEntries + at]);
-        } else {
-          y0[j] = mul_rn(table[at], b);
-        }
+        y0 = mul_rn(table[at], b);
       }
     }
-    return true;
   }
   // The entry of |x| among one sign's, >= kHalf outside the table (it wraps round below).
   __device__ static uint32_t magnitude(uint32_t bits) {
@@ -376,18 +377,29 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<A, kBackward, T, kDbias>)
         in[i] = vec ? stage(slot).read(i) : load8(src[i], cur.valid);
       }
       float y0[8], y1[8] = {};
-      bool looked_up = false;
+      const auto compute = [&](int j) {
+        const float x0 = device::load_float(in[0].v[j]);
+        const float x1 = kSwiGLU ? device::load_float(in[kSwiGLU ? 1 : 0].v[j]) : 0.0f;
+        const float g = kBackward ? device::load_float(in[kInputs - 1].v[j]) : 0.0f;
+        activation_element<A, kBackward>(x0, x1, g, y0[j], y1[j]);
+      };
       if constexpr (kTable) {
-        looked_up = Table::lookup(table, in, y0, y1);
-      }
-      if (!looked_up) {
+        if (Table::holds(in[0])) {  // the usual case, free of per-element branches
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float x0 = device::load_float(in[0].v[j]);
-          const float x1 = kSwiGLU ? device::load_float(in[kSwiGLU ? 1 : 0].v[j]) : 0.0f;
-          const float g = kBackward ? device::load_float(in[kInputs - 1].v[j]) : 0.0f;
-          activation_element<A, kBackward>(x0, x1, g, y0[j], y1[j]);
+          for (int j = 0; j < 8; ++j) Table::lookup(table, in, j, y0[j], y1[j]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            if (Table::holds(in[0].v[j].bits)) {
+              Table::lookup(table, in, j, y0[j], y1[j]);
+            } else {
+              compute(j);
+            }
+          }
         }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) compute(j);
       }
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
