@@ -14,9 +14,9 @@ the FASTEST of the bf16 variants at that size, its CUDA graphs included.
 
 Every model is a copy of one bf16 model (bf16 parameters, as bench/linear.py holds them: fp32
 master weights live in the optimizer; bf16 activations and gradients). The tpfp8 models are
-tpfp8.swap_linear of it (the "fused" ones: fc2 a tpfp8.ActivationLinear, which takes the GELU
-written straight to FP8 by one kernel), the torchao ones torchao.float8.convert_to_float8_training
-of it.
+tpfp8.swap_linear of it (the "fused" ones: a tpfp8.MLP, whose fc2 takes the GELU written
+straight to FP8 by one kernel and hands fc1 its gradient in FP8), the torchao ones
+torchao.float8.convert_to_float8_training of it.
 A step is gradients set to None, then forward and backward of one [tokens, hidden] bf16 input
 (requires_grad, so dx is computed as for a block inside a model) against a fixed random output
 gradient. For tpfp8 the step runs inside `with tpfp8.fp8_autocast(recipe=...)`, opened OUTSIDE
@@ -108,13 +108,14 @@ class MLP(nn.Module):
         return self.fc2(nn.functional.gelu(self.fc1(x)))
 
     def fused(self) -> nn.Module:
-        """The same MLP with tpfp8's fused modules: fc1, then fc2 taking GELU's output straight
-        as FP8 (tpfp8.ActivationLinear), with these parameters."""
-        fc1 = tpfp8.swap_linear(copy.deepcopy(self.fc1))
-        fc2 = tpfp8.ActivationLinear(self.fc2.in_features, self.fc2.out_features, "gelu",
-                                     device=self.fc2.weight.device, dtype=self.fc2.weight.dtype)
-        fc2.load_state_dict(self.fc2.state_dict(), strict=False)
-        return nn.Sequential(fc1, fc2)
+        """The same MLP as tpfp8's fused module, tpfp8.MLP (fc2 takes GELU's output straight
+        as FP8, and hands fc1 its gradient in FP8), with these parameters."""
+        w = self.fc1.weight
+        mlp = tpfp8.MLP(self.fc1.in_features, self.fc1.out_features, activation="gelu",
+                        device=w.device, dtype=w.dtype)
+        for mine, theirs in ((mlp.fc1, self.fc1), (mlp.fc2, self.fc2)):
+            mine.load_state_dict(theirs.state_dict(), strict=False)
+        return mlp
 
 
 def short(exc, limit=90):

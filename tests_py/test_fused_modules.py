@@ -1,4 +1,4 @@
-"""The fused modules (tpfp8.LayerNormLinear, RMSNormLinear, LayerNormMLP): equal, bit for bit,
+"""The fused modules (tpfp8.LayerNormLinear, RMSNormLinear, LayerNormMLP, MLP): equal, bit for bit,
 to the unfused composition of the same recipe -- our norm / activation op in high precision,
 then tpfp8.Linear -- in outputs, every gradient and the FP8 state; close to an fp64 emulation;
 TransformerEngine's parameter names; clear errors that leave the state alone; torch.compile
@@ -119,13 +119,18 @@ def test_norm_linear_equals_norm_then_linear(device, recipe, normalization, dtyp
         assert_same(state_of(fused), state_of(ref.linear), f"FP8 state, step {i}")
 
 
-def mlp_and_composition(device, activation, bias=True, dtype=torch.float32):
-    """A LayerNormMLP (RMSNorm) and the same parameters as its composition: norm then Linear,
-    our activation op, Linear."""
+def mlp_and_composition(device, activation, bias=True, dtype=torch.float32, norm="RMSNorm"):
+    """A LayerNormMLP (norm=None: a tpfp8.MLP) and the same parameters as its composition:
+    (norm then) Linear, our activation op, Linear."""
     torch.manual_seed(0)
-    mlp = tpfp8.LayerNormMLP(64, 32, activation=activation, normalization="RMSNorm",
-                             device=device, bias=bias).to(dtype)
-    fc1 = NormThenLinear(copy.deepcopy(mlp.fc1))
+    if norm is None:
+        mlp = tpfp8.MLP(64, 32, activation=activation, device=device, bias=bias).to(dtype)
+        fc1 = tpfp8.Linear(64, mlp.fc1.out_features, device=device, bias=bias).to(dtype)
+        fc1.load_state_dict(mlp.fc1.state_dict())
+    else:
+        mlp = tpfp8.LayerNormMLP(64, 32, activation=activation, normalization=norm,
+                                 device=device, bias=bias).to(dtype)
+        fc1 = NormThenLinear(copy.deepcopy(mlp.fc1))
     fc2 = tpfp8.Linear(32, 64, device=device, bias=bias).to(dtype)
     fc2.load_state_dict(mlp.fc2.state_dict())
 
@@ -137,11 +142,12 @@ def mlp_and_composition(device, activation, bias=True, dtype=torch.float32):
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_mlp_equals_its_composition(device, recipe, activation, bias):
+@pytest.mark.parametrize("norm", ["RMSNorm", None], ids=["LayerNormMLP", "MLP"])
+def test_mlp_equals_its_composition(device, recipe, activation, bias, norm):
     """fp32, where the activation's FP8 codes (cast from its fp32 value) equal the cast of its
     high-precision output; and so do fc1's gradient codes handed over in FP8 and the cast of
     the high-precision gradient, and (bias=True) their column sums, fc1's bias gradient."""
-    mlp, ref, ref_params, fc2 = mlp_and_composition(device, activation, bias)
+    mlp, ref, ref_params, fc2 = mlp_and_composition(device, activation, bias, norm=norm)
     x = torch.randn(48, 64, device=device)
     for i in range(3):
         got = train_step(mlp, x * (i + 1), RECIPES[recipe])
@@ -170,11 +176,12 @@ class _BackwardCalls(torch.utils._python_dispatch.TorchDispatchMode):
     (False, False, "delayed", True), (False, False, "current", True),
     (True, False, "delayed", True), (True, False, "current", True),
     (False, True, "delayed", False), (False, False, "high precision", False)])
-def test_mlp_backward_hands_fc1_its_gradient_in_fp8(bias, debug, recipe, handed):
+@pytest.mark.parametrize("norm", ["RMSNorm", None], ids=["LayerNormMLP", "MLP"])
+def test_mlp_backward_hands_fc1_its_gradient_in_fp8(bias, debug, recipe, handed, norm):
     """fc2's backward casts fc1's gradient in the activation backward's pass (with its column
     sums, fc1's bias gradient, where fc1 has a bias), and fc1's backward takes it; not when
     debugging or outside FP8."""
-    mlp, *_ = mlp_and_composition("cpu", "swiglu", bias)
+    mlp, *_ = mlp_and_composition("cpu", "swiglu", bias, norm=norm)
     mlp.fc2.name = "probe"
     if debug:
         tpfp8.debug.initialize([{"layers": "probe", "features": {"log_stats": {}}}])
@@ -319,14 +326,19 @@ def test_rms_norm_linear_and_te_parameter_names():
         "fc2_bias", "fc1._extra_state", "fc2._extra_state"}
     swiglu = tpfp8.LayerNormMLP(32, 64, activation="swiglu", bias=False)
     assert swiglu.state_dict()["fc1_weight"].shape == (128, 32)
+    plain = tpfp8.MLP(32, 64, activation="swiglu")
+    assert set(plain.state_dict()) == {"fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias",
+                                       "fc1._extra_state", "fc2._extra_state"}
+    assert isinstance(plain.fc1, tpfp8.Linear) and plain.fc1.weight.shape == (128, 32)
 
 
-def test_mlp_state_dict_round_trip_keeps_fp8_state():
+@pytest.mark.parametrize("cls", [tpfp8.LayerNormMLP, tpfp8.MLP])
+def test_mlp_state_dict_round_trip_keeps_fp8_state(cls):
     torch.manual_seed(0)
-    mlp = tpfp8.LayerNormMLP(32, 64, activation="swiglu")
+    mlp = cls(32, 64, activation="swiglu")
     with tpfp8.fp8_autocast(recipe=DELAYED):
         mlp(torch.randn(16, 32)).sum().backward()
-    other = tpfp8.LayerNormMLP(32, 64, activation="swiglu")
+    other = cls(32, 64, activation="swiglu")
     other.load_state_dict(mlp.state_dict())
     x = torch.randn(16, 32)
     with tpfp8.fp8_autocast(recipe=DELAYED):
@@ -338,6 +350,7 @@ def test_mlp_state_dict_round_trip_keeps_fp8_state():
     (lambda: tpfp8.LayerNormLinear(32, 16, eps=-1.0), "eps must be >= 0"),
     (lambda: tpfp8.RMSNormLinear(32, 16, normalization="LayerNorm"), "RMSNorm"),
     (lambda: tpfp8.LayerNormMLP(32, 64, activation="relu"), "activation must be"),
+    (lambda: tpfp8.MLP(32, 64, activation="relu"), "activation must be"),
 ])
 def test_bad_settings_are_value_errors(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -396,15 +409,15 @@ def test_activation_checkpoint_equals_plain_step(recipe, use_reentrant, bias):
 
 
 class FusedBlock(nn.Module):
-    """RMSNormLinear then LayerNormMLP (SwiGLU); without the MLP's biases its backward hands
-    fc1 an FP8 gradient."""
+    """RMSNormLinear then LayerNormMLP (or without its norm, tpfp8.MLP; SwiGLU); without the
+    MLP's biases its backward hands fc1 an FP8 gradient."""
 
-    def __init__(self, device, mlp_bias=True, **kw):
+    def __init__(self, device, mlp_bias=True, mlp_class=tpfp8.LayerNormMLP, **kw):
         super().__init__()
         self.attn_in = tpfp8.RMSNormLinear(32, 48, device=device, name="qkv", **kw)
-        self.mlp = tpfp8.LayerNormMLP(48, 64, activation="swiglu", device=device, name="mlp",
-                                      bias=mlp_bias, fuse_wgrad_accumulation=kw.get(
-                                          "fuse_wgrad_accumulation", False))
+        self.mlp = mlp_class(48, 64, activation="swiglu", device=device, name="mlp",
+                             bias=mlp_bias, fuse_wgrad_accumulation=kw.get(
+                                 "fuse_wgrad_accumulation", False))
 
     def forward(self, x, is_first_microbatch=None):
         return self.mlp(self.attn_in(x, is_first_microbatch), is_first_microbatch)
@@ -420,6 +433,8 @@ COMPILE_CONFIGS = {
     "delayed handoff": (DELAYED, {"mlp_bias": False}, None),
     "current handoff + main_grad": (CURRENT, {"mlp_bias": False,
                                               "fuse_wgrad_accumulation": True}, None),
+    "MLP delayed": (DELAYED, {"mlp_class": tpfp8.MLP}, None),
+    "MLP current handoff": (CURRENT, {"mlp_class": tpfp8.MLP, "mlp_bias": False}, None),
 }
 
 

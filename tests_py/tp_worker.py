@@ -605,7 +605,8 @@ def check_fused_mlp_matches_single_rank(group):
     parallel) or on the whole input, FP8-gathered; column fc1 holding [gate_r | up_r]; SwiGLU;
     row fc2 -- against the same MLP on one rank: y, dx and every gradient, the norm's weight
     gradient summed over the group. Without biases, fc2 hands fc1 its gradient in FP8 (the
-    handoff), on each rank its own columns. Bounds as (b) in the module docstring.
+    handoff), on each rank its own columns. Bounds as (b) in the module docstring. The same
+    for tpfp8.MLP (no norm: fc1 gathers its input itself).
 
     The output gradient is a fixed tensor, not a function of y: on the GPU, fc2's partial sums
     reduced across ranks move y by ~1e-4 (another summation order, 14-bit FP8 accumulation), and
@@ -614,34 +615,41 @@ def check_fused_mlp_matches_single_rank(group):
     input does that on one rank alone). That is the loss's chain, not the layer's."""
     tp, r = dist.get_world_size(), dist.get_rank()
     recipes = (None, tpfp8.DelayedScaling(amax_history_len=4), tpfp8.CurrentScaling())
-    for sp, recipe, bias in itertools.product((False, True), recipes, (True, False)):
+    for norm, sp, recipe, bias in itertools.product(("RMSNorm", None), (False, True), recipes,
+                                                     (True, False)):
         torch.manual_seed(51)
-        kw = {"activation": "swiglu", "normalization": "RMSNorm", "device": DEVICE,
-              "bias": bias}
-        full = tpfp8.LayerNormMLP(K, N, **kw)
-        split = tpfp8.LayerNormMLP(K, N, set_parallel_mode=True, tp_group=group,
-                                   sequence_parallel=sp, **kw)
-        with torch.no_grad():
-            full.fc1.layer_norm_weight.uniform_(0.5, 1.5)
+        cls = tpfp8.LayerNormMLP if norm else tpfp8.MLP
+        kw = {"activation": "swiglu", "device": DEVICE, "bias": bias}
+        if norm:
+            kw["normalization"] = norm
+        full = cls(K, N, **kw)
+        split = cls(K, N, set_parallel_mode=True, tp_group=group, sequence_parallel=sp, **kw)
+        if norm:
+            with torch.no_grad():
+                full.fc1.layer_norm_weight.uniform_(0.5, 1.5)
         for one, part in ((full.fc1, split.fc1), (full.fc2, split.fc2)):
             part.load_full_state_dict(one.full_state_dict())
         x = torch.randn(S * B, K, device=DEVICE)
         dy = torch.randn(S * B, K, device=DEVICE)
         exact = recipe is None or (sp and isinstance(recipe, tpfp8.DelayedScaling))
         bound = FP8_TIGHT if exact else 0.15  # (the GPU's GEMMs: summation order, ~1e-4)
-        what = f"fused MLP sp={sp} bias={bias} {_recipe_name(recipe)}"
+        what = f"{cls.__name__} sp={sp} bias={bias} {_recipe_name(recipe)}"
         mine = (lambda t: t.chunk(tp)[r]) if sp else (lambda t: t)  # this rank's rows, or all
-        for step in range(2):
-            want = _mlp_step(full, x * (step + 1), recipe, enabled=recipe is not None, dy=dy)
-            got = _mlp_step(split, mine(x) * (step + 1), recipe, enabled=recipe is not None,
+        # The input moves each step, so delayed scaling's scales do. Without a norm it shrinks:
+        # grown, its products would pass the scales of the step before and saturate, which each
+        # rank's own amax of its shard does differently (FP8 range, not the layer).
+        for step, factor in enumerate((1.0, 2.0 if norm else 0.5)):
+            want = _mlp_step(full, x * factor, recipe, enabled=recipe is not None, dy=dy)
+            got = _mlp_step(split, mine(x) * factor, recipe, enabled=recipe is not None,
                             dy=mine(dy))
             if sp:
                 got = [P.unshard(t.contiguous(), 0, group) for t in got]
             expect(rel(got[0], want[0]), bound, f"{what} y, step {step}")
             expect(rel(got[1], want[1]), bound, f"{what} dx, step {step}")
-            pairs = ((split.fc1.layer_norm_weight.grad, full.fc1.layer_norm_weight.grad),
-                     (split.fc1._unshard(split.fc1.weight.grad, 0), full.fc1.weight.grad),
+            pairs = ((split.fc1._unshard(split.fc1.weight.grad, 0), full.fc1.weight.grad),
                      (split.fc2._unshard(split.fc2.weight.grad, 1), full.fc2.weight.grad))
+            if norm:
+                pairs += ((split.fc1.layer_norm_weight.grad, full.fc1.layer_norm_weight.grad),)
             if bias:
                 pairs += ((split.fc1._unshard(split.fc1.bias.grad, 0), full.fc1.bias.grad),
                           (split.fc2.bias.grad, full.fc2.bias.grad))

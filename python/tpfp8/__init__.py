@@ -2,8 +2,8 @@
 
 ``tpfp8.Linear`` is a drop-in ``torch.nn.Linear`` that computes in FP8 inside
 ``tpfp8.fp8_autocast(recipe=tpfp8.DelayedScaling() | tpfp8.CurrentScaling())``;
-``tpfp8.LayerNormLinear`` / ``RMSNormLinear`` / ``LayerNormMLP`` fuse the norm and the
-activation in front of their GEMMs with the FP8 casts;
+``tpfp8.LayerNormLinear`` / ``RMSNormLinear`` / ``LayerNormMLP`` / ``MLP`` fuse the norm and
+the activation in front of their GEMMs with the FP8 casts;
 ``tpfp8.swap_linear(model)`` converts a model's ``nn.Linear`` layers, and
 ``tpfp8.checkpoint(block, *inputs)`` checkpoints activations of FP8 blocks. The native ops live
 in :mod:`tpfp8.ops` (and ``torch.ops.tpfp8``).
@@ -19,11 +19,12 @@ from . import parallel
 from . import debug
 from .autocast import checkpoint, fp8_autocast
 from .module import Linear, load_fp8_state, swap_linear
-from .fused import ActivationLinear, LayerNormLinear, LayerNormMLP, RMSNormLinear, swap_fused
+from .fused import (ActivationLinear, LayerNormLinear, LayerNormMLP, MLP, RMSNormLinear,
+                    swap_fused)
 from .recipe import CurrentScaling, DelayedScaling
 
 __all__ = ["ActivationLinear", "CurrentScaling", "DelayedScaling", "Fp8Format", "LayerNormLinear",
-           "LayerNormMLP", "Linear", "RMSNormLinear", "checkpoint", "debug", "fp8_autocast",
+           "LayerNormMLP", "Linear", "MLP", "RMSNormLinear", "checkpoint", "debug", "fp8_autocast",
            "load_fp8_state", "ops", "parallel", "swap_fused", "swap_linear", "with_cuda"]
 __version__ = "0.1.0"
 

@@ -1,9 +1,9 @@
 """The fused modules: a norm or an activation written straight to FP8 by the kernel that
 computes it, in front of a ``tpfp8.Linear``'s GEMMs -- ``LayerNormLinear`` / ``RMSNormLinear``
-(norm -> Linear) and ``LayerNormMLP`` (norm -> fc1 -> activation -> fc2), with
-TransformerEngine's names. They are ``tpfp8.Linear`` layers whose op runs a prologue on the
-input (csrc/prologue.h); FP8 state, recipes, weight caching, tensor parallelism, debugging,
-checkpointing and torch.compile work as for ``tpfp8.Linear``."""
+(norm -> Linear), ``LayerNormMLP`` (norm -> fc1 -> activation -> fc2) and ``MLP`` (the same
+without the norm), with TransformerEngine's names. They are ``tpfp8.Linear`` layers whose op
+runs a prologue on the input (csrc/prologue.h); FP8 state, recipes, weight caching, tensor
+parallelism, debugging, checkpointing and torch.compile work as for ``tpfp8.Linear``."""
 import collections
 import copy
 from typing import Optional
@@ -25,7 +25,27 @@ def _choice(value, allowed: dict, what: str):
     return allowed[value]
 
 
-class LayerNormLinear(Linear):
+class _GatedShards:
+    """Tensor-parallel shards of an MLP's fc1 whose outputs are SwiGLU's ``[gate | up]``
+    (``_gated``): each rank holds its slices of both halves, ``[gate_r | up_r]``, so that its
+    SwiGLU pairs them."""
+
+    _gated = False
+
+    def _shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
+        shard = super()._shard
+        if not self._gated:
+            return shard(full, dim)
+        return torch.cat([shard(h, dim) for h in full.chunk(2, dim)], dim)
+
+    def _unshard(self, local: torch.Tensor, dim: int) -> torch.Tensor:
+        unshard = super()._unshard
+        if not self._gated:
+            return unshard(local, dim)
+        return torch.cat([unshard(h.contiguous(), dim) for h in local.chunk(2, dim)], dim)
+
+
+class LayerNormLinear(_GatedShards, Linear):
     """``Linear(norm(x))``: LayerNorm (or RMSNorm) over the last dimension, then ``x W^T + b``,
     as TransformerEngine's ``LayerNormLinear`` (parameters ``layer_norm_weight``,
     ``layer_norm_bias``, ``weight``, ``bias``).
@@ -103,19 +123,6 @@ class LayerNormLinear(Linear):
             out["layer_norm_bias"] = self.layer_norm_bias.detach().clone()
         return out
 
-    def _shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
-        if not self._gated:
-            return super()._shard(full, dim)
-        # Each rank holds its slices of both halves, [gate_r | up_r], so that SwiGLU pairs them.
-        return torch.cat([super(LayerNormLinear, self)._shard(h, dim) for h in full.chunk(2, dim)],
-                         dim)
-
-    def _unshard(self, local: torch.Tensor, dim: int) -> torch.Tensor:
-        if not self._gated:
-            return super()._unshard(local, dim)
-        return torch.cat([super(LayerNormLinear, self)._unshard(h.contiguous(), dim)
-                          for h in local.chunk(2, dim)], dim)
-
     def _prologue(self) -> tuple:
         return (self.layer_norm_weight, self.layer_norm_bias, self._norm_code, float(self.eps),
                 self.return_layernorm_output)
@@ -160,7 +167,97 @@ class ActivationLinear(Linear):
         return (None, None, self._activation_code, 0.0, False)
 
 
-class LayerNormMLP(nn.Module):
+class _GatedLinear(_GatedShards, Linear):
+    """``MLP``'s fc1: a ``tpfp8.Linear`` whose outputs may be SwiGLU's ``[gate | up]``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
+                 dtype=None, _gated: bool = False, **kwargs):
+        self._gated = _gated
+        super().__init__(in_features, out_features, bias, device, dtype, **kwargs)
+
+
+class _TwoLayers(nn.Module):
+    """fc1 -> activation -> fc2 as one op (``torch.ops.tpfp8.mlp``); fc1 a ``Linear`` with or
+    without a norm in front. ``state_dict`` keys are TransformerEngine's (``_KEYS``)."""
+
+    _KEYS = {"fc1.weight": "fc1_weight", "fc1.bias": "fc1_bias", "fc2.weight": "fc2_weight",
+             "fc2.bias": "fc2_bias"}
+
+    def _make_layers(self, fc1_class, fc1_kwargs: dict, hidden_size: int, ffn_hidden_size: int,
+                     bias: bool, activation: str, set_parallel_mode: bool, name: Optional[str],
+                     **common) -> None:
+        _choice(activation, _ACTIVATIONS, "activation")
+        gated = activation == "swiglu"
+        self.fc1 = fc1_class(
+            hidden_size, ffn_hidden_size * (2 if gated else 1), bias=bias,
+            parallel_mode="column" if set_parallel_mode else None,
+            name=f"{name}.fc1" if name else None, _gated=gated, **fc1_kwargs, **common)
+        self.fc2 = ActivationLinear(
+            ffn_hidden_size, hidden_size, activation, bias,
+            parallel_mode="row" if set_parallel_mode else None,
+            name=f"{name}.fc2" if name else None, **common)
+        self._register_state_dict_hook(_TwoLayers._te_keys)
+        self._register_load_state_dict_pre_hook(self._own_keys, with_module=True)
+
+    @staticmethod
+    def _te_keys(module, state_dict, prefix, local_metadata):
+        for mine, theirs in module._KEYS.items():
+            if prefix + mine in state_dict:
+                state_dict[prefix + theirs] = state_dict.pop(prefix + mine)
+        return state_dict
+
+    @staticmethod
+    def _own_keys(module, state_dict, prefix, *args):
+        for mine, theirs in module._KEYS.items():
+            if prefix + theirs in state_dict:
+                state_dict[prefix + mine] = state_dict.pop(prefix + theirs)
+
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        """fc1 and fc2 as one op (torch.ops.tpfp8.mlp), so that in FP8 fc2's backward hands
+        fc1 its gradient already cast: the activation's backward writes fc1's FP8 gradient,
+        and its column sums (fc1's bias gradient), in its own pass, with fc1's gradient scale
+        (not when debugging). The submodules' own forward hooks do not run here."""
+        fc1, fc2 = self.fc1, self.fc2
+        first = fc1._begin(x, is_first_microbatch)
+        second = fc2._begin(first.x, is_first_microbatch, input_needs_grad=first.gives_grad())
+        y, normalized = _run_op(first.vet or second.vet, torch.ops.tpfp8.mlp, first.x,
+                                *first.op_args, *second.op_args)
+        fc1._end(first)
+        fc2._end(second)
+        return self._outputs(y, normalized)
+
+    def _outputs(self, y, normalized):
+        return y
+
+
+class MLP(_TwoLayers):
+    """``fc2(act(fc1(x)))``: ``LayerNormMLP`` without its norm, for an MLP whose input comes
+    from elsewhere than a norm (or whose norm stays outside). The activation writes fc2's FP8
+    input, and fc2's backward hands fc1 its gradient already cast, as in ``LayerNormMLP``: one
+    pass over fc1's output gradient fewer than ``Linear`` then ``ActivationLinear``.
+
+    Args:
+        hidden_size, ffn_hidden_size, bias, activation, set_parallel_mode, tp_group,
+        sequence_parallel, fuse_wgrad_accumulation, name, device, dtype: as ``LayerNormMLP``.
+
+    ``state_dict`` keys: ``fc1_weight``, ``fc1_bias``, ``fc2_weight``, ``fc2_bias`` (the FP8
+    state under ``fc1._extra_state`` and ``fc2._extra_state``); the modules are ``fc1`` (a
+    ``tpfp8.Linear``) and ``fc2`` (``ActivationLinear``). ``forward(x, is_first_microbatch=None)``
+    returns ``y``. Build it explicitly: ``swap_fused`` does not make one.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, bias: bool = True,
+                 activation: str = "gelu", device=None, dtype=None, *,
+                 set_parallel_mode: bool = False, tp_group=None, sequence_parallel: bool = False,
+                 fuse_wgrad_accumulation: bool = False, name: Optional[str] = None):
+        super().__init__()
+        self._make_layers(_GatedLinear, {}, hidden_size, ffn_hidden_size, bias, activation,
+                          set_parallel_mode, name, device=device, dtype=dtype, tp_group=tp_group,
+                          sequence_parallel=sequence_parallel,
+                          fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+
+
+class LayerNormMLP(_TwoLayers):
     """``fc2(act(fc1(norm(x))))``, as TransformerEngine's ``LayerNormMLP``: the norm writes
     fc1's FP8 input, the activation writes fc2's (see ``LayerNormLinear``).
 
@@ -183,8 +280,7 @@ class LayerNormMLP(nn.Module):
     """
 
     _KEYS = {"fc1.layer_norm_weight": "layer_norm_weight",
-             "fc1.layer_norm_bias": "layer_norm_bias", "fc1.weight": "fc1_weight",
-             "fc1.bias": "fc1_bias", "fc2.weight": "fc2_weight", "fc2.bias": "fc2_bias"}
+             "fc1.layer_norm_bias": "layer_norm_bias", **_TwoLayers._KEYS}
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5,
                  bias: bool = True, normalization: str = "LayerNorm", activation: str = "gelu",
@@ -192,48 +288,15 @@ class LayerNormMLP(nn.Module):
                  set_parallel_mode: bool = False, tp_group=None, sequence_parallel: bool = False,
                  fuse_wgrad_accumulation: bool = False, name: Optional[str] = None):
         super().__init__()
-        _choice(activation, _ACTIVATIONS, "activation")
-        gated = activation == "swiglu"
-        common = {"device": device, "dtype": dtype, "tp_group": tp_group,
-                  "sequence_parallel": sequence_parallel,
-                  "fuse_wgrad_accumulation": fuse_wgrad_accumulation}
-        self.fc1 = LayerNormLinear(
-            hidden_size, ffn_hidden_size * (2 if gated else 1), eps, bias, normalization,
-            return_layernorm_output, parallel_mode="column" if set_parallel_mode else None,
-            name=f"{name}.fc1" if name else None, _gated=gated, **common)
-        self.fc2 = ActivationLinear(
-            ffn_hidden_size, hidden_size, activation, bias,
-            parallel_mode="row" if set_parallel_mode else None,
-            name=f"{name}.fc2" if name else None, **common)
+        norm = {"eps": eps, "normalization": normalization,
+                "return_layernorm_output": return_layernorm_output}
+        self._make_layers(LayerNormLinear, norm, hidden_size, ffn_hidden_size, bias, activation,
+                          set_parallel_mode, name, device=device, dtype=dtype, tp_group=tp_group,
+                          sequence_parallel=sequence_parallel,
+                          fuse_wgrad_accumulation=fuse_wgrad_accumulation)
         self.return_layernorm_output = return_layernorm_output
-        self._register_state_dict_hook(LayerNormMLP._te_keys)
-        self._register_load_state_dict_pre_hook(self._own_keys, with_module=False)
 
-    @staticmethod
-    def _te_keys(module, state_dict, prefix, local_metadata):
-        for mine, theirs in LayerNormMLP._KEYS.items():
-            if prefix + mine in state_dict:
-                state_dict[prefix + theirs] = state_dict.pop(prefix + mine)
-        return state_dict
-
-    @staticmethod
-    def _own_keys(state_dict, prefix, *args):
-        for mine, theirs in LayerNormMLP._KEYS.items():
-            if prefix + theirs in state_dict:
-                state_dict[prefix + mine] = state_dict.pop(prefix + theirs)
-
-    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):
-        """fc1 and fc2 as one op (torch.ops.tpfp8.mlp), so that in FP8 fc2's backward hands
-        fc1 its gradient already cast: the activation's backward writes fc1's FP8 gradient,
-        and its column sums (fc1's bias gradient), in its own pass, with fc1's gradient scale
-        (not when debugging). The submodules' own forward hooks do not run here."""
-        fc1, fc2 = self.fc1, self.fc2
-        first = fc1._begin(x, is_first_microbatch)
-        second = fc2._begin(first.x, is_first_microbatch, input_needs_grad=first.gives_grad())
-        y, normalized = _run_op(first.vet or second.vet, torch.ops.tpfp8.mlp, first.x,
-                                *first.op_args, *second.op_args)
-        fc1._end(first)
-        fc2._end(second)
+    def _outputs(self, y, normalized):
         return (y, normalized) if self.return_layernorm_output else y
 
 
@@ -292,7 +355,7 @@ def _set_submodule(owner: nn.Module, path: str, module: nn.Module) -> None:
 
 def _traceable_owner(m: nn.Module) -> bool:
     # (Sequentials are read in order; tpfp8's own modules are never rewritten.)
-    return bool(m._modules) and not isinstance(m, (nn.Sequential, Linear, LayerNormMLP))
+    return bool(m._modules) and not isinstance(m, (nn.Sequential, Linear, _TwoLayers))
 
 
 class _OpaqueSubmodules(torch.fx.Tracer):
