@@ -54,3 +54,23 @@ def state_of(lin):
     state = lin.fp8_state
     return [] if state is None else [state[d][k].clone() for d in ("forward", "backward")
                                      for k in ("scale", "amax_history")]
+
+
+def capture_step(step, twin_step, grads_of, warmup=2):
+    """A training step captured in one CUDA graph, as a user graphs one: `warmup` calls of
+    `step()` on a side stream (each beside `twin_step()`, the eager twin's, kept in step), the
+    gradients of the tensors in `grads_of` set to None (the captured backward then writes them
+    rather than adds), then the capture on that stream. Returns (graph, step()'s output)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            step()
+            twin_step()
+        for t in grads_of:
+            t.grad = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph, out

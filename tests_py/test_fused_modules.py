@@ -13,7 +13,7 @@ import tpfp8
 from tpfp8 import ops
 
 import fp8_oracle
-from conftest import requires_gpu, state_of
+from conftest import capture_step, requires_gpu, state_of
 from test_compile import assert_one_graph, compiled_twin, with_main_grad
 
 DELAYED, CURRENT = tpfp8.DelayedScaling(), tpfp8.CurrentScaling()
@@ -243,18 +243,9 @@ def test_gpu_whole_step_in_one_cuda_graph_equals_eager(recipe, activation):
             y = model(x)
         y.backward(dy)
         return y
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):  # warm-up on the capture stream, the eager twin alike
-            step(graphed, static_x)
-            step(eager, static_x.detach().clone().requires_grad_())
-        graph = torch.cuda.CUDAGraph()
-        for p in [static_x, *graphed.parameters()]:
-            p.grad = None  # the captured backward writes its gradients, not adds
-        with torch.cuda.graph(graph, stream=stream):
-            static_y = step(graphed, static_x)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, static_y = capture_step(lambda: step(graphed, static_x),
+                                   lambda: step(eager, static_x.detach().clone().requires_grad_()),
+                                   [static_x, *graphed.parameters()])
     for i in range(3):
         x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16) * (i + 1)
         static_x.data.copy_(x)

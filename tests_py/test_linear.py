@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import tpfp8
-from conftest import fp8_tight, make, requires_gpu, state_of
+from conftest import capture_step, fp8_tight, make, requires_gpu, state_of
 from fp8_oracle import current_scale, fake_quant, pending_scale
 
 RECIPES = {"delayed": tpfp8.DelayedScaling, "current": tpfp8.CurrentScaling}
@@ -550,17 +550,10 @@ def test_gpu_cuda_graph_capture_with_delayed_scaling():
     xs = [torch.randn(64, 256, device="cuda") for _ in range(4)]
     dy = torch.randn(64, 512, device="cuda")
     static_x = torch.zeros(64, 256, device="cuda", requires_grad=True)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):  # warm-up on the capture stream
-            _step(graphed, static_x, dy, recipe)
-            _step(eager, static_x.detach().clone().requires_grad_(), dy, recipe)
-        graph = torch.cuda.CUDAGraph()
-        graphed.weight.grad = static_x.grad = None  # captured backward writes, not adds
-        with torch.cuda.graph(graph, stream=stream):
-            static_y = _step(graphed, static_x, dy, recipe)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, static_y = capture_step(
+        lambda: _step(graphed, static_x, dy, recipe),
+        lambda: _step(eager, static_x.detach().clone().requires_grad_(), dy, recipe),
+        [graphed.weight, static_x])
     for x in xs:
         static_x.data.copy_(x)
         graph.replay()
