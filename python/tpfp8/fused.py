@@ -27,10 +27,12 @@ def _choice(value, allowed: dict, what: str):
 
 class _GatedShards:
     """Tensor-parallel shards of an MLP's fc1 whose outputs are SwiGLU's ``[gate | up]``
-    (``_gated``): each rank holds its slices of both halves, ``[gate_r | up_r]``, so that its
-    SwiGLU pairs them."""
+    (keyword ``_gated``): each rank holds its slices of both halves, ``[gate_r | up_r]``, so
+    that its SwiGLU pairs them."""
 
-    _gated = False
+    def __init__(self, *args, _gated: bool = False, **kwargs):
+        self._gated = _gated  # (before the Linear's __init__, which shards the parameters)
+        super().__init__(*args, **kwargs)
 
     def _shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
         shard = super()._shard
@@ -86,7 +88,6 @@ class LayerNormLinear(_GatedShards, Linear):
                              "feature of the input; use parallel_mode='column' or None")
         if eps < 0:
             raise ValueError(f"eps must be >= 0, got {eps}")
-        self._gated = kwargs.pop("_gated", False)  # (LayerNormMLP's SwiGLU fc1: [gate | up])
         super().__init__(in_features, out_features, bias, device, dtype, **kwargs)
         self.normalization, self.eps, self._norm_code = normalization, eps, code
         self.return_layernorm_output = return_layernorm_output
@@ -169,11 +170,6 @@ class ActivationLinear(Linear):
 
 class _GatedLinear(_GatedShards, Linear):
     """``MLP``'s fc1: a ``tpfp8.Linear`` whose outputs may be SwiGLU's ``[gate | up]``."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
-                 dtype=None, _gated: bool = False, **kwargs):
-        self._gated = _gated
-        super().__init__(in_features, out_features, bias, device, dtype, **kwargs)
 
 
 class _TwoLayers(nn.Module):
