@@ -1,12 +1,12 @@
-// Kernel time of norm_cast and activation_cast at Llama-like shapes, without torch: for A/B runs
-// of kernel variants, each binary built from one tree's kernel sources (bench/RESULTS.md, 11th
-// session). Run on the GPU machine, from the repository root:
+// Kernel time of norm_cast, norm_backward and activation_cast at Llama-like shapes, without
+// torch: for A/B runs of kernel variants, each binary built from one tree's kernel sources
+// (bench/RESULTS.md, 11th session). Run on the GPU machine, from the repository root:
 //   K=csrc/kernels; F="-std=c++17 --expt-relaxed-constexpr -O3 -DTPFP8_WITH_CUDA -Icsrc \
 //     -gencode=arch=compute_90a,code=sm_90a -Xcompiler -ffp-contract=off"
-//   nvcc $F -o /tmp/kernel_time bench/kernel_time.cu $K/norm_cast.cu $K/activation_cast.cu \
-//     $K/cast.cu $K/cast_transpose.cu $K/norm_cast_cpu.cpp $K/activation_cast_cpu.cpp
-//     $K/cast_cpu.cpp
-//   /tmp/kernel_time [all|copy|norm|act]     # ONCE=1: one launch each (for ncu)
+//   nvcc $F -o /tmp/kernel_time bench/kernel_time.cu $K/norm_cast.cu $K/norm_backward.cu \
+//     $K/activation_cast.cu $K/cast.cu $K/cast_transpose.cu $K/norm_cast_cpu.cpp \
+//     $K/norm_backward_cpu.cpp $K/activation_cast_cpu.cpp $K/cast_cpu.cpp
+//   /tmp/kernel_time [all|copy|norm|normbwd|act]     # ONCE=1: one launch each (for ncu)
 // Inputs are uniform in [-2, 2) bf16; the scale is 1 (delayed scaling). GB/s counts the bytes
 // each kernel must move (bf16 in, FP8 out).
 #include <cuda_runtime.h>
@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "kernels/activation_cast.h"
+#include "kernels/norm_backward.h"
 #include "kernels/norm_cast.h"
 
 namespace {
@@ -111,11 +112,40 @@ void time_norm(const Buffers& b) {
   }
 }
 
-// GELU [8192, 16384] and SwiGLU [8192, 2 x 14336] forward (E4M3) and backward (E5M2), bf16 in,
-// row-wise and column-wise FP8 out.
+// RMSNorm or LayerNorm backward of bf16 [8192, hidden]: dx, dgamma (and dbeta). GB/s counts x
+// and dy read, dx written.
+void time_norm_backward(const Buffers& b) {
+  float *stats, *partial;
+  cudaMalloc(&stats, 2 * 8192 * 4);
+  cudaMalloc(&partial, norm_backward_workspace_floats(8192, 16384) * 4);
+  const std::vector<float> ones(2 * 8192, 1.0f);
+  cudaMemcpy(stats, ones.data(), ones.size() * 4, cudaMemcpyHostToDevice);
+  for (const NormType norm : {NormType::kRMSNorm, NormType::kLayerNorm}) {
+    for (int64_t hidden : {2048, 4096, 8192}) {
+      const bool ln = norm == NormType::kLayerNorm;
+      NormBackwardParams p;
+      p.dy = b.dy, p.x = b.x, p.dtype = DType::kBFloat16, p.rows = 8192, p.hidden = hidden;
+      p.norm = norm, p.mean = ln ? stats : nullptr, p.rstd = stats + 8192, p.gamma = b.gamma;
+      p.dx = b.out, p.partial = partial;
+      float* sums = reinterpret_cast<float*>(b.col);
+      p.dgamma = sums, p.dbeta = ln ? sums + 16384 : nullptr;
+      const float us = time_us([&] { norm_backward_cuda(p, 0); });
+      printf("normbwd %s bf16 8192x%ld: %.1f us, %.0f GB/s (%s)\n", ln ? "ln" : "rms",
+             static_cast<long>(hidden), us, 8192.0 * hidden * 6 / us / 1e3,
+             cudaGetErrorString(cudaGetLastError()));
+    }
+  }
+  cudaFree(stats), cudaFree(partial);
+}
+
+// GELU [8192, 16384] and SwiGLU [8192, 2 x 14336] forward (E4M3) and backward (E5M2, also with
+// fc1's bias gradient), bf16 in, row-wise and column-wise FP8 out.
 void time_activation(const Buffers& b) {
+  float* partial;
+  cudaMalloc(&partial, dbias_tiles(8192) * 28672 * 4);
   for (int swiglu = 0; swiglu < 2; ++swiglu) {
-    for (int backward = 0; backward < 2; ++backward) {
+    for (int pass = 0; pass < 3; ++pass) {
+      const bool backward = pass > 0, dbias = pass == 2;
       ActivationCastParams p;
       p.activation = swiglu ? Activation::kSwiGLU : Activation::kGelu;
       p.backward = backward;
@@ -124,14 +154,20 @@ void time_activation(const Buffers& b) {
       p.format = backward ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
       p.scale = b.scale, p.rowwise = static_cast<uint8_t*>(b.row);
       p.columnwise = static_cast<uint8_t*>(b.col), p.amax = b.amax, p.scale_inv = b.scale_inv;
+      p.dbias = dbias ? reinterpret_cast<float*>(b.out) : nullptr;
+      p.dbias_partial = dbias ? partial : nullptr;
       const float us = time_us([&] { activation_cast_cuda(p, 0); });
       const double in = 8192.0 * p.in_cols() * 2 + (backward ? 8192.0 * p.n * 2 : 0);
       const double out = 8192.0 * p.out_cols() * 2;
       printf("act %s %s 8192x%ld: %.1f us, %.0f GB/s (%s)\n", swiglu ? "swiglu" : "gelu",
-             backward ? "bwd" : "fwd", static_cast<long>(p.n), us, (in + out) / us / 1e3,
+             dbias      ? "bwd+dbias"
+             : backward ? "bwd"
+                        : "fwd",
+             static_cast<long>(p.n), us, (in + out) / us / 1e3,
              cudaGetErrorString(cudaGetLastError()));
     }
   }
+  cudaFree(partial);
 }
 
 }  // namespace
@@ -139,13 +175,16 @@ void time_activation(const Buffers& b) {
 int main(int argc, char** argv) {
   const char* what = argc > 1 ? argv[1] : "all";
   const bool all = !strcmp(what, "all");
-  if (!all && strcmp(what, "copy") && strcmp(what, "norm") && strcmp(what, "act")) {
-    fprintf(stderr, "usage: %s [all|copy|norm|act]  (ONCE=1: one launch per case)\n", argv[0]);
+  if (!all && strcmp(what, "copy") && strcmp(what, "norm") && strcmp(what, "normbwd") &&
+      strcmp(what, "act")) {
+    fprintf(stderr, "usage: %s [all|copy|norm|normbwd|act]  (ONCE=1: one launch per case)\n",
+            argv[0]);
     return 2;
   }
   const Buffers b = make_buffers();
   if (all || !strcmp(what, "copy")) time_copy(b);
   if (all || !strcmp(what, "norm")) time_norm(b);
+  if (all || !strcmp(what, "normbwd")) time_norm_backward(b);
   if (all || !strcmp(what, "act")) time_activation(b);
   return 0;
 }
