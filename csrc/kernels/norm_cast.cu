@@ -15,9 +15,10 @@
 // (two-way conflicts for 32-row groups, whose two 16-row halves go to adjacent threads).
 //
 // Latency without registers: each thread copies its chunks of the team's next row into shared
-// memory (cp.async) while the team reduces and stores the current one, and one thread per team
-// asks L2 for the rows after it (bulk prefetch, about 64 KB per SM ahead). A row in flight in
-// registers would cost 16 of the 64 registers that let 1024 threads share an SM.
+// memory (cp.async) while the team reduces and stores the current one. A row in flight in
+// registers would cost 16 of the 64 registers that let 1024 threads share an SM. Nothing is
+// asked of L2 further ahead: a bulk prefetch of 64 KB per SM made every instance slower (4-10 %;
+// 128 and 256 KB slower still), most likely by scattering DRAM accesses over more rows at once.
 //
 // Traffic per element, bf16 input, FP8 row + column output (B = bytes):
 //   delayed scaling, fused:   read x 2 + write FP8 2                  = 4 B (+2 with out)
@@ -39,7 +40,6 @@
 namespace tpfp8 {
 namespace {
 
-constexpr int kAheadBytes = 64 << 10;     // input an SM keeps asked of L2 ahead of its teams
 constexpr int kMaxTileBytes = 128 << 10;  // a group's FP8 tile, beside the teams' stages
 
 // Registers: a lane's kChunks 8-element chunks of a row (4; 8 for rows over 8192; 2 or 4 for
@@ -82,7 +82,6 @@ struct Args {
   int group_rows;       // rows per group: 8, 16 or 32
   int teams;            // teams per block: 1, 2 or 4
   int steps;            // group_rows / teams: rows a team takes per group
-  int ahead;            // rows of its own a team keeps asked of L2 past the next one
   int tile_bytes;       // shared FP8 tile (0: none), then a row-sized stage per team
   int tile_cols;        // columns of the tile: hidden, or a slice of it (see store_group)
   bool columnwise_vec;  // 16-byte (8-row groups: 8-byte) column-wise stores
@@ -404,34 +403,15 @@ __global__ void __launch_bounds__(Plan<T, kChunks, kLanes>::kMaxThreads)
   const int64_t groups = (p.rows + a.group_rows - 1) / a.group_rows;
   const TeamRows rows{a, groups, team};
 
-  // Row i + 1 is copied to the stage while row i is normalized; rows up to i + 1 + ahead are
-  // asked of L2. The lane's chunks of a row: c = lane, lane + kLanes, ... below hidden / 8.
+  // Row i + 1 is copied to the stage while row i is normalized. The lane's chunks of a row:
+  // c = lane, lane + kLanes, ... below hidden / 8.
   const int lane = threadIdx.x % kLanes;
   const int chunks =
       kWhole ? kChunks : static_cast<int>((p.hidden / 8 - lane + kLanes - 1) / kLanes);
   auto copy = [&](int64_t r) {
     if (r >= 0) copy_row_async<T, kChunks, kLanes>(in + r * p.hidden, chunks, stage);
   };
-  // One thread per team asks L2 for rows. Registers limit the teams per SM, so its place lives
-  // in shared memory and the test rereads %tid (volatile: kept otherwise, it spilled).
-  auto lead = [] {
-    uint32_t tid;
-    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-    return tid % kLanes == 0;
-  };
-  __shared__ Cursor asked[P::kMaxTeams];
   Cursor at{blockIdx.x, 0};
-  auto ask_next = [&] {
-    Cursor c = asked[team];
-    c.advance(a);
-    asked[team] = c;
-    const int64_t r = rows.row(c);
-    if (r >= 0) device::prefetch_l2(in + r * p.hidden, row_bytes);
-  };
-  if (lead()) {
-    asked[team] = at;
-    for (int i = 0; i < a.ahead; ++i) ask_next();
-  }
   int64_t r = rows.row(at);
   copy(r);
 
@@ -441,7 +421,6 @@ __global__ void __launch_bounds__(Plan<T, kChunks, kLanes>::kMaxThreads)
     Cursor next = at;
     next.advance(a);
     const int64_t r_next = rows.row(next);  // `next` itself is not kept: registers are short
-    if (lead()) ask_next();
     if (r >= 0) {
       wait_copies();
       Row<T, kChunks> row;
@@ -534,8 +513,6 @@ void launch(Args a, cudaStream_t stream) {
   const Residency res = residency<F, N, T, kChunks, kWhole, kLanes>(a.tile_bytes, stage_bytes);
   a.teams = res.teams;
   a.steps = a.group_rows / a.teams;
-  const int64_t teams_per_sm = int64_t{res.teams} * res.blocks_per_sm;
-  a.ahead = static_cast<int>(std::clamp<int64_t>(kAheadBytes / (teams_per_sm * stage_bytes), 1, 8));
   const int64_t groups = (p.rows + a.group_rows - 1) / a.group_rows;
   const int64_t resident = int64_t{res.blocks_per_sm} * current_sm_count();
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min(groups, resident)));
