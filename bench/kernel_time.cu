@@ -47,7 +47,7 @@ float time_us(F f, int reps = 30) {
 
 struct Buffers {
   void *x, *dy, *row, *col, *out;
-  float *gamma, *scale, *amax, *scale_inv;
+  float *gamma, *beta, *scale, *amax, *scale_inv;
 };
 
 Buffers make_buffers() {
@@ -55,8 +55,8 @@ Buffers make_buffers() {
   Buffers b{};
   cudaMalloc(&b.x, bytes), cudaMalloc(&b.dy, bytes), cudaMalloc(&b.row, bytes);
   cudaMalloc(&b.col, bytes), cudaMalloc(&b.out, bytes);
-  cudaMalloc(&b.gamma, 16384 * 4), cudaMalloc(&b.scale, 4), cudaMalloc(&b.amax, 4);
-  cudaMalloc(&b.scale_inv, 4);
+  cudaMalloc(&b.gamma, 16384 * 4), cudaMalloc(&b.beta, 16384 * 4);  // beta: lines of its own
+  cudaMalloc(&b.scale, 4), cudaMalloc(&b.amax, 4), cudaMalloc(&b.scale_inv, 4);
   std::vector<uint16_t> h(elems);  // bf16 bits, uniform in [-2, 2) (a fixed LCG)
   uint32_t s = 1;
   for (auto& v : h) {
@@ -70,6 +70,7 @@ Buffers make_buffers() {
   cudaMemcpy(b.dy, h.data(), bytes, cudaMemcpyHostToDevice);
   const std::vector<float> ones(16384, 1.0f);
   cudaMemcpy(b.gamma, ones.data(), 16384 * 4, cudaMemcpyHostToDevice);
+  cudaMemcpy(b.beta, ones.data(), 16384 * 4, cudaMemcpyHostToDevice);
   cudaMemcpy(b.scale, ones.data(), 4, cudaMemcpyHostToDevice);
   return b;
 }
@@ -88,7 +89,7 @@ void time_norm_case(const Buffers& b, NormType norm, int64_t hidden, bool column
   const bool ln = norm == NormType::kLayerNorm;
   NormCastParams p;
   p.input = b.x, p.dtype = DType::kBFloat16, p.rows = 8192, p.hidden = hidden;
-  p.norm = norm, p.gamma = b.gamma, p.beta = ln ? b.gamma : nullptr, p.scale = b.scale;
+  p.norm = norm, p.gamma = b.gamma, p.beta = ln ? b.beta : nullptr, p.scale = b.scale;
   p.rowwise = static_cast<uint8_t*>(b.row);
   p.columnwise = columnwise ? static_cast<uint8_t*>(b.col) : nullptr;
   p.amax = b.amax, p.scale_inv = b.scale_inv, p.rstd = static_cast<float*>(b.out);
