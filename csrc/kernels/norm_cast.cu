@@ -40,7 +40,8 @@
 namespace tpfp8 {
 namespace {
 
-constexpr int kMaxTileBytes = 128 << 10;  // a group's FP8 tile, beside the teams' stages
+constexpr int kMaxTileBytes = 128 << 10;     // a group's FP8 tile, beside the teams' stages
+constexpr int kStagedParamBytes = 32 << 10;  // gamma + beta this large go to shared memory
 
 // Registers: a lane's kChunks 8-element chunks of a row (4; 8 for rows over 8192; 2 or 4 for
 // rows of exactly 2048 or 4096) take kRowRegs. The thread bound caps the rest: 64 registers for
@@ -82,7 +83,8 @@ struct Args {
   int group_rows;       // rows per group: 8, 16 or 32
   int teams;            // teams per block: 1, 2 or 4
   int steps;            // group_rows / teams: rows a team takes per group
-  int tile_bytes;       // shared FP8 tile (0: none), then a row-sized stage per team
+  int tile_bytes;       // shared FP8 tile (0: none), then gamma and beta, then a stage per team
+  int param_bytes;      // gamma (and beta) in shared memory (0: read from global memory)
   int tile_cols;        // columns of the tile: hidden, or a slice of it (see store_group)
   bool columnwise_vec;  // 16-byte (8-row groups: 8-byte) column-wise stores
   bool amax_only;
@@ -206,12 +208,33 @@ __device__ __forceinline__ float lane_sum(const Row<T, kChunks>& row, int chunks
   return s;
 }
 
-// Eight fp32 values from 32-byte aligned memory (gamma, beta: read-only, reused by every row).
-__device__ __forceinline__ void load8(const float* src, float (&dst)[8]) {
-  const float4 lo = __ldg(reinterpret_cast<const float4*>(src));
-  const float4 hi = __ldg(reinterpret_cast<const float4*>(src) + 1);
+// gamma's (which 0) or beta's (1) eight values from column c8 on: from the block's copy in
+// shared memory when it has one (a.param_bytes), else from global memory. One generic load for
+// both: a branch between LDS and LDG made every LayerNorm instance spill.
+__device__ __forceinline__ void load_param8(const Args& a, int which, int c8, float (&dst)[8]) {
+  extern __shared__ uint4 smem[];
+  const float* base =
+      a.param_bytes
+          ? reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(smem) + a.tile_bytes) +
+                which * a.p.hidden
+          : (which ? a.p.beta : a.p.gamma);
+  const auto* src = reinterpret_cast<const float4*>(base + c8);
+  const float4 lo = src[0], hi = src[1];
   dst[0] = lo.x, dst[1] = lo.y, dst[2] = lo.z, dst[3] = lo.w;
   dst[4] = hi.x, dst[5] = hi.y, dst[6] = hi.z, dst[7] = hi.w;
+}
+
+// Copies gamma (and beta) to shared memory after the tile, where every row reads them: from
+// global memory, a row of LayerNorm at hidden 4096 asks L1 for 32 KB beside its 8 KB of input,
+// more than L1 keeps beside the tile.
+__device__ void stage_params(const Args& a) {
+  extern __shared__ uint4 smem[];
+  auto* dst = reinterpret_cast<float4*>(reinterpret_cast<uint8_t*>(smem) + a.tile_bytes);
+  const int64_t n = a.p.hidden / 4;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    dst[i] = __ldg(reinterpret_cast<const float4*>(a.p.gamma) + i);
+    if (a.p.beta) dst[n + i] = __ldg(reinterpret_cast<const float4*>(a.p.beta) + i);
+  }
 }
 
 // y = from_float<T>(f) elementwise, in Row's word layout; folds max |y| into `amax`, kept as
@@ -264,8 +287,8 @@ __device__ __forceinline__ void norm_row(const Row<T, kChunks>& row, int chunks,
     const int64_t ck = at + k * kStride;
     const int c8 = lane * 8 + k * kStride;  // the chunk's first column
     float gs[8], bs[8] = {};
-    load8(p.gamma + c8, gs);
-    if (N == NormType::kLayerNorm && p.beta) load8(p.beta + c8, bs);
+    load_param8(a, 0, c8, gs);
+    if (N == NormType::kLayerNorm && p.beta) load_param8(a, 1, c8, bs);
     float f[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -398,7 +421,8 @@ __global__ void __launch_bounds__(Plan<T, kChunks, kLanes>::kMaxThreads)
   const int team = threadIdx.x / kLanes;
   uint8_t* const tile = reinterpret_cast<uint8_t*>(smem);
   const int64_t row_bytes = p.hidden * static_cast<int64_t>(sizeof(T));
-  uint4* const stage = reinterpret_cast<uint4*>(tile + a.tile_bytes + team * row_bytes);
+  uint4* const stage =
+      reinterpret_cast<uint4*>(tile + a.tile_bytes + a.param_bytes + team * row_bytes);
   const float scale = ScaleSource{p.scale, p.scale_amax, p.scale_epsilon}.resolve(F);
   const int64_t groups = (p.rows + a.group_rows - 1) / a.group_rows;
   const TeamRows rows{a, groups, team};
@@ -414,6 +438,10 @@ __global__ void __launch_bounds__(Plan<T, kChunks, kLanes>::kMaxThreads)
   Cursor at{blockIdx.x, 0};
   int64_t r = rows.row(at);
   copy(r);
+  if (a.param_bytes) {
+    stage_params(a);
+    __syncthreads();
+  }
 
   uint32_t amax = 0;
   int parity = 0;
@@ -445,26 +473,26 @@ __global__ void __launch_bounds__(Plan<T, kChunks, kLanes>::kMaxThreads)
   }
 }
 
-// Teams per block and resident blocks per SM of an instance for a layout (tile bytes, stage
-// bytes per team): the team count keeping the most warps resident, ties to the smaller block
-// (fewer warps wait at its barriers). Asked of the runtime on the first launch with a layout on
-// a device, then cached.
+// Teams per block and resident blocks per SM of an instance for a layout (bytes of the tile and
+// the staged gamma / beta, stage bytes per team): the team count keeping the most warps
+// resident, ties to the smaller block (fewer warps wait at its barriers); 0 blocks when none
+// fits. Asked of the runtime on the first launch with a layout on a device, then cached.
 struct Residency {
   int teams = 1;
   int blocks_per_sm = 1;
 };
 
 template <Fp8Format F, NormType N, typename T, int kChunks, bool kWhole, int kLanes>
-Residency residency(int tile_bytes, int stage_bytes) {
+Residency residency(int fixed_bytes, int stage_bytes, int kind) {
   const auto kernel = norm_cast_kernel<F, N, T, kChunks, kWhole, kLanes>;
-  // Per device and with / without a tile (current scaling alternates the two), the last layout
-  // asked and its answer in one word (layout << 16 | teams << 8 | blocks), so racing launches
-  // see one whole answer or none.
-  static std::atomic<uint64_t> cache[64][2] = {};
-  const uint64_t layout = (static_cast<uint64_t>(tile_bytes) << 24 | stage_bytes) + 1;
+  // Per device and kind (with / without a tile, which current scaling alternates; with / without
+  // gamma and beta staged, which each launch asks), the last layout asked and its answer in one
+  // word (layout << 16 | teams << 8 | blocks), so racing launches see one whole answer or none.
+  static std::atomic<uint64_t> cache[64][4] = {};
+  const uint64_t layout = (static_cast<uint64_t>(fixed_bytes) << 24 | stage_bytes) + 1;
   int dev = 0;
   cudaGetDevice(&dev);
-  std::atomic<uint64_t>* slot = dev >= 0 && dev < 64 ? &cache[dev][tile_bytes > 0] : nullptr;
+  std::atomic<uint64_t>* slot = dev >= 0 && dev < 64 ? &cache[dev][kind] : nullptr;
   const uint64_t seen = slot ? slot->load(std::memory_order_relaxed) : 0;
   if (seen >> 16 == layout) {
     return {static_cast<int>(seen >> 8 & 0xFF), static_cast<int>(seen & 0xFF)};
@@ -478,14 +506,14 @@ Residency residency(int tile_bytes, int stage_bytes) {
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max);
   Residency best{1, 0};
   for (int teams = 1; teams <= Plan<T, kChunks, kLanes>::kMaxTeams; teams *= 2) {
-    const int smem = tile_bytes + teams * stage_bytes;
+    const int smem = fixed_bytes + teams * stage_bytes;
     int n = 0;
     if (smem <= smem_max) {
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kLanes * teams, smem);
     }
     if (n * teams > best.blocks_per_sm * best.teams) best = {teams, n};
   }
-  best.blocks_per_sm = std::clamp(best.blocks_per_sm, 1, 255);
+  best.blocks_per_sm = std::clamp(best.blocks_per_sm, 0, 255);
   if (slot) {
     slot->store(layout << 16 | best.teams << 8 | best.blocks_per_sm, std::memory_order_relaxed);
   }
@@ -510,13 +538,29 @@ void launch(Args a, cudaStream_t stream) {
   a.columnwise_vec = p.rows % block_rows == 0 && device::aligned(p.columnwise, block_rows);
   a.tile_bytes = columnwise ? a.group_rows * a.tile_cols : 0;
   const int stage_bytes = static_cast<int>(p.hidden * sizeof(T));
-  const Residency res = residency<F, N, T, kChunks, kWhole, kLanes>(a.tile_bytes, stage_bytes);
+  // gamma and beta go to shared memory when a tile leaves L1 too small for them (LayerNorm at
+  // 4096: 61 against 69 us; smaller ones lost 2-7 % there, in L1 already) and they leave as
+  // many warps resident as without.
+  const int param_bytes = static_cast<int>(p.hidden * sizeof(float)) * (p.beta ? 2 : 1);
+  const int kind = 2 * (a.tile_bytes > 0);
+  const auto resident_with = [&](int param, int k) {
+    return residency<F, N, T, kChunks, kWhole, kLanes>(a.tile_bytes + param, stage_bytes, k);
+  };
+  Residency res = resident_with(0, kind);
+  res.blocks_per_sm = std::max(res.blocks_per_sm, 1);
+  a.param_bytes = 0;
+  if (a.tile_bytes > 0 && param_bytes >= kStagedParamBytes) {
+    const Residency staged = resident_with(param_bytes, kind + 1);
+    if (staged.blocks_per_sm * staged.teams >= res.blocks_per_sm * res.teams) {
+      res = staged, a.param_bytes = param_bytes;
+    }
+  }
   a.teams = res.teams;
   a.steps = a.group_rows / a.teams;
   const int64_t groups = (p.rows + a.group_rows - 1) / a.group_rows;
   const int64_t resident = int64_t{res.blocks_per_sm} * current_sm_count();
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min(groups, resident)));
-  const int smem = a.tile_bytes + a.teams * stage_bytes;
+  const int smem = a.tile_bytes + a.param_bytes + a.teams * stage_bytes;
   norm_cast_kernel<F, N, T, kChunks, kWhole, kLanes><<<grid, kLanes * a.teams, smem, stream>>>(a);
 }
 
