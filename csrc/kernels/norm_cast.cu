@@ -81,7 +81,7 @@ __device__ __forceinline__ float element(const uint32_t* w, int j) {
 struct Args {
   NormCastParams p;
   int group_rows;       // rows per group: 8, 16 or 32
-  int teams;            // teams per block: 1, 2 or 4
+  int teams;            // teams per block: 1, 2, 4 or 8
   int steps;            // group_rows / teams: rows a team takes per group
   int tile_bytes;       // shared FP8 tile (0: none), then gamma and beta, then a stage per team
   int param_bytes;      // gamma (and beta) in shared memory (0: read from global memory)
