@@ -1,5 +1,6 @@
 """Timing, tables, JSON and plots shared by the benchmarks in bench/."""
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -79,6 +80,61 @@ def graphed(fn, warmup: int = 3):
         graph.replay()
         return out
     return replay
+
+
+class EnergyCounter:
+    """The GPU's total energy counter (NVML, read through the driver's libnvidia-ml: no pynvml
+    needed), in joules; `read()` is None where there is none (CPU, no driver, an old GPU)."""
+
+    def __init__(self, device: str):
+        self._lib = self._handle = None
+        if not device.startswith("cuda"):
+            return
+        try:
+            lib = ctypes.CDLL("libnvidia-ml.so.1")
+            handle = ctypes.c_void_p()
+            index = torch.cuda._get_nvml_device_index(torch.device(device))
+            if (lib.nvmlInit_v2() == 0 and
+                    lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) == 0):
+                self._lib, self._handle = lib, handle
+        except Exception:  # no library, no symbol, no device: no counter
+            pass
+
+    def read(self):
+        if self._lib is None:
+            return None
+        mj = ctypes.c_ulonglong()
+        status = self._lib.nvmlDeviceGetTotalEnergyConsumption(self._handle, ctypes.byref(mj))
+        return mj.value / 1e3 if status == 0 else None
+
+
+def add_energy_argument(parser: argparse.ArgumentParser) -> None:
+    """--energy SECONDS: also measure each case's joules per call (energy_per_call)."""
+    parser.add_argument("--energy", type=float, default=0.0, metavar="SECONDS",
+                        help="after timing, run each case for this long and report its energy "
+                             "per step and mean power from the GPU's energy counter (0: off)")
+
+
+def energy_per_call(fn, device: str, seconds: float):
+    """(joules per fn() call, mean watts) over back-to-back calls for at least `seconds` (the
+    counter advances in steps of milliseconds to tens of them, so windows of seconds), or None
+    where the GPU's energy cannot be read. Under a power cap a step's time follows its energy,
+    so this is the figure that holds between runs when clocks do not."""
+    counter = EnergyCounter(device)
+    if counter.read() is None:
+        return None
+    torch.cuda.synchronize()
+    calls, t0, e0 = 0, time.perf_counter(), counter.read()
+    while True:
+        for _ in range(10):
+            fn()
+        calls += 10
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds:
+            break
+    joules = counter.read() - e0
+    return joules / calls, joules / elapsed
 
 
 def device_name(device: str) -> str:

@@ -11,6 +11,7 @@ the FASTEST of the bf16 variants at that size, its CUDA graphs included.
   python bench/compile.py --hidden 4096 --cases tpfp8,bf16
   python bench/compile.py --device cpu --hidden 64 --tokens 128 --reps 2   # smoke run
   python bench/compile.py --hidden 1024 --cases tpfp8 --profile reduce-overhead
+  python bench/compile.py --hidden 4096 --energy 2     # + joules per step, 2 s of steps a case
 
 Every model is a copy of one bf16 model (bf16 parameters, as bench/linear.py holds them: fp32
 master weights live in the optimizer; bf16 activations and gradients). The tpfp8 models are
@@ -35,6 +36,9 @@ CUDA-graph skips counted by dynamo/inductor while it compiled (TORCH_LOGS=graph_
 perf_hints prints their reasons), the relative error of its output against bf16 eager (an FP8
 path shows a few %, a silent fall-back to high precision well under 1 %), and for delayed
 scaling whether the amax histories rolled (the autocast exit's update reached the module).
+With --energy, each case also runs for that many seconds with the GPU's energy counter read
+around it: joules per step and mean power. The H200 here runs these steps at its 700 W cap,
+with its clocks lowered, so a step's energy is the figure that holds between runs.
 """
 import contextlib
 import copy
@@ -49,8 +53,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (device_name, graphed, make_parser, parse_shapes,  # noqa: E402
-                    print_table, save_json, time_ms)
+from common import (add_energy_argument, device_name, energy_per_call,  # noqa: E402
+                    graphed, make_parser, parse_shapes, print_table, save_json, time_ms)
 
 import tpfp8  # noqa: E402
 
@@ -301,6 +305,16 @@ def run_size(tokens, hidden, args, cases, factory=None):
             results[name]["ms"] = ms if prev is None else min(prev, ms)
         print(f"  round {rnd + 1}/{args.rounds} done", flush=True)
 
+    if args.energy:
+        measured = 0
+        for name, (step, _) in live.items():
+            got = energy_per_call(step, device, args.energy)
+            if got:
+                results[name]["joules_per_step"], results[name]["watts"] = got
+                measured += 1
+        print(f"  energy measured for {measured} of {len(live)} cases"
+              + ("" if measured else " (no energy counter on this device)"), flush=True)
+
     if args.profile:
         for name in [n for n in live if any(k in n for k in args.profile.split(","))]:
             profile_case(name, live[name][0], device, args.out, hidden)
@@ -329,8 +343,11 @@ def run_size(tokens, hidden, args, cases, factory=None):
     bf16_ms = {n: results[n]["ms"] for n in BF16 if n in results and results[n]["ms"]}
     baseline = min(bf16_ms, key=bf16_ms.get) if bf16_ms else None
     base_ms = bf16_ms[baseline] if baseline else None
+    base_j = results[baseline].get("joules_per_step") if baseline else None
     for r in results.values():
         r["speedup_vs_faster_bf16"] = (base_ms / r["ms"]) if (base_ms and r["ms"]) else None
+        if base_j and r.get("joules_per_step"):
+            r["energy_saving_vs_faster_bf16"] = base_j / r["joules_per_step"]
     del live, reference, x, dy, ref_y
     gc.collect()
     torch._dynamo.reset()
@@ -467,6 +484,7 @@ def main(argv=None):
     parser.add_argument("--cases", default=None,
                         help="comma-separated substrings: run only the cases whose name holds "
                              "one (bf16 cases are always run: they are the baseline)")
+    add_energy_argument(parser)
     parser.add_argument("--profile", default=None,
                         help="comma-separated substrings: after timing, print (and save in --out) "
                              "a torch.profiler table of 5 steps of each matching case, with the "
@@ -511,9 +529,11 @@ def main(argv=None):
 
 
 def print_details(results, names):
-    """The per-case details table (compilation, graph breaks, accuracy, state update)."""
+    """The per-case details table (compilation, graph breaks, accuracy, state update, energy)."""
     print("\nDetails: first step (compilation) time, graph breaks and CUDA-graph skips while "
-          "compiling, relative error of the output vs bf16 eager, delayed-scaling update seen")
+          "compiling, relative error of the output vs bf16 eager, delayed-scaling update seen; "
+          "with --energy, joules per step, mean power and the fastest bf16 variant's joules per "
+          "step over the case's")
     rows = []
     for r in results:
         for n in names:
@@ -528,9 +548,14 @@ def print_details(results, names):
                          f"{c['rel_err_vs_bf16_eager']:.2%}"
                          if "rel_err_vs_bf16_eager" in c else "-",
                          c.get("scales_updated", "-"),
+                         f"{c['joules_per_step']:.3f}" if "joules_per_step" in c else "-",
+                         f"{c['watts']:.0f}" if "watts" in c else "-",
+                         f"{c['energy_saving_vs_faster_bf16']:.2f}x"
+                         if "energy_saving_vs_faster_bf16" in c else "-",
                          "ok" if ok else c["status"]])
     print_table(["size", "case", "ms", "vs fastest bf16", "first step s", "graph breaks",
-                 "cudagraph skips", "rel err", "scales updated", "status"], rows)
+                 "cudagraph skips", "rel err", "scales updated", "J/step", "W",
+                 "bf16 J / J", "status"], rows)
 
 
 if __name__ == "__main__":
