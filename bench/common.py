@@ -1,6 +1,7 @@
 """Timing, tables, JSON and plots shared by the benchmarks in bench/."""
 import argparse
 import ctypes
+import functools
 import json
 import os
 import statistics
@@ -84,7 +85,8 @@ def graphed(fn, warmup: int = 3):
 
 class EnergyCounter:
     """The GPU's total energy counter (NVML, read through the driver's libnvidia-ml: no pynvml
-    needed), in joules; `read()` is None where there is none (CPU, no driver, an old GPU)."""
+    needed), in joules; `read()` is None where there is none (CPU, no driver, an old GPU).
+    One per device: `energy_counter(device)`."""
 
     def __init__(self, device: str):
         self._lib = self._handle = None
@@ -108,6 +110,12 @@ class EnergyCounter:
         return mj.value / 1e3 if status == 0 else None
 
 
+@functools.lru_cache(maxsize=None)
+def energy_counter(device: str) -> EnergyCounter:
+    """The device's EnergyCounter, made (and NVML initialised) once."""
+    return EnergyCounter(device)
+
+
 def add_energy_argument(parser: argparse.ArgumentParser) -> None:
     """--energy SECONDS: also measure each case's joules per call (energy_per_call)."""
     parser.add_argument("--energy", type=float, default=0.0, metavar="SECONDS",
@@ -120,19 +128,17 @@ def energy_per_call(fn, device: str, seconds: float):
     counter advances in steps of milliseconds to tens of them, so windows of seconds), or None
     where the GPU's energy cannot be read. Under a power cap a step's time follows its energy,
     so this is the figure that holds between runs when clocks do not."""
-    counter = EnergyCounter(device)
+    counter = energy_counter(device)
     if counter.read() is None:
         return None
     torch.cuda.synchronize()
-    calls, t0, e0 = 0, time.perf_counter(), counter.read()
-    while True:
+    calls, elapsed, t0, e0 = 0, 0.0, time.perf_counter(), counter.read()
+    while elapsed < seconds:
         for _ in range(10):
             fn()
         calls += 10
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
-        if elapsed >= seconds:
-            break
     joules = counter.read() - e0
     return joules / calls, joules / elapsed
 
