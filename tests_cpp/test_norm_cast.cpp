@@ -232,12 +232,13 @@ TEST(NormCastCpu, RejectsWhatTheKernelCannotDo) {
 // Shapes: one chunk per lane or less, ragged row counts (partial 16 / 32-row groups, rows not a
 // multiple of 16: byte-wise column stores), 32-row groups of whole rows (hidden <= 4096) and of
 // column slices (wider rows with row-wise output: 8192, 8208 whose last slice is 16 columns,
-// 16384; column-wise output alone keeps 16 / 8-row groups); 128-lane rows (whole 2048 and
-// 4096, ragged below) and 256-lane rows in two chunk buckets (<= 8192, <= 16384).
+// 16384, 6160 with more groups than blocks; column-wise output alone keeps 16 / 8-row groups);
+// 128-lane rows (whole 2048 and 4096, ragged below) and 256-lane rows in two chunk buckets
+// (<= 8192, <= 16384).
 const std::vector<Shape>& norm_shapes() {
-  static const std::vector<Shape> shapes = {{1, 16},     {3, 48},    {17, 1040}, {64, 2048},
-                                            {100, 3072}, {48, 4096}, {33, 8192}, {32, 8208},
-                                            {20, 16384}, {0, 64}};
+  static const std::vector<Shape> shapes = {{1, 16},     {3, 48},      {17, 1040}, {64, 2048},
+                                            {100, 3072}, {48, 4096},   {33, 8192}, {32, 8208},
+                                            {20, 16384}, {4500, 6160}, {0, 64}};
   return shapes;
 }
 

@@ -209,16 +209,20 @@ __device__ __forceinline__ float lane_sum(const Row<T, kChunks>& row, int chunks
 }
 
 // gamma's (which 0) or beta's (1) eight values from column c8 on: from the block's copy in
-// shared memory when it has one (a.param_bytes), else from global memory. One generic load for
-// both: a branch between LDS and LDG made every LayerNorm instance spill.
+// shared memory (kStaged instances), else from global memory. An instance per kind: one generic
+// load for both ran 0.5-5 % slower, and a branch between the two made LayerNorm spill. Plain
+// global loads, not the read-only path (__ldg): as fast or faster (LayerNorm 8192 6 %), and
+// __ldg spilled fp32 LayerNorm 4096.
+template <bool kStaged>
 __device__ __forceinline__ void load_param8(const Args& a, int which, int c8, float (&dst)[8]) {
-  extern __shared__ uint4 smem[];
-  const float* base =
-      a.param_bytes
-          ? reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(smem) + a.tile_bytes) +
-                which * a.p.hidden
-          : (which ? a.p.beta : a.p.gamma);
-  const auto* src = reinterpret_cast<const float4*>(base + c8);
+  const float4* src;  // (one expression for both made fp32 LayerNorm at 4096 spill)
+  if constexpr (kStaged) {
+    extern __shared__ uint4 smem[];
+    src = reinterpret_cast<const float4*>(reinterpret_cast<const uint8_t*>(smem) + a.tile_bytes) +
+          (which * a.p.hidden + c8) / 4;
+  } else {
+    src = reinterpret_cast<const float4*>((which ? a.p.beta : a.p.gamma) + c8);
+  }
   const float4 lo = src[0], hi = src[1];
   dst[0] = lo.x, dst[1] = lo.y, dst[2] = lo.z, dst[3] = lo.w;
   dst[4] = hi.x, dst[5] = hi.y, dst[6] = hi.z, dst[7] = hi.w;
@@ -261,7 +265,7 @@ __device__ __forceinline__ uint32_t amax_bits(uint32_t acc) {
 // `tile_row` is its row of the shared FP8 tile, or null. `row_read` runs once the first
 // team-wide sum is done: every lane has used its copy of the row by then, so its stage may be
 // refilled.
-template <Fp8Format F, NormType N, int kLanes, typename T, int kChunks, typename Next>
+template <Fp8Format F, NormType N, int kLanes, bool kStaged, typename T, int kChunks, typename Next>
 __device__ __forceinline__ void norm_row(const Row<T, kChunks>& row, int chunks, int64_t r,
                                          const Args& a, float scale, float (*red)[kLanes / 32],
                                          int& parity, int team, uint32_t& amax, uint8_t* tile_row,
@@ -287,8 +291,8 @@ __device__ __forceinline__ void norm_row(const Row<T, kChunks>& row, int chunks,
     const int64_t ck = at + k * kStride;
     const int c8 = lane * 8 + k * kStride;  // the chunk's first column
     float gs[8], bs[8] = {};
-    load_param8(a, 0, c8, gs);
-    if (N == NormType::kLayerNorm && p.beta) load_param8(a, 1, c8, bs);
+    load_param8<kStaged>(a, 0, c8, gs);
+    if (N == NormType::kLayerNorm && p.beta) load_param8<kStaged>(a, 1, c8, bs);
     float f[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -410,7 +414,7 @@ __device__ void store_group(uint8_t* tile, int64_t r0, const Args& a) {
 
 // kWhole: every lane holds exactly kChunks chunks (hidden = kLanes * 8 * kChunks), a constant,
 // so the chunk loops carry no bounds tests.
-template <Fp8Format F, NormType N, typename T, int kChunks, bool kWhole, int kLanes>
+template <Fp8Format F, NormType N, typename T, int kChunks, bool kWhole, int kLanes, bool kStaged>
 __global__ void __launch_bounds__(Plan<T, kChunks, kLanes>::kMaxThreads)
     norm_cast_kernel(const Args a) {
   using P = Plan<T, kChunks, kLanes>;
@@ -438,7 +442,7 @@ __global__ void __launch_bounds__(Plan<T, kChunks, kLanes>::kMaxThreads)
   Cursor at{blockIdx.x, 0};
   int64_t r = rows.row(at);
   copy(r);
-  if (a.param_bytes) {
+  if constexpr (kStaged) {
     stage_params(a);
     __syncthreads();
   }
@@ -454,8 +458,8 @@ __global__ void __launch_bounds__(Plan<T, kChunks, kLanes>::kMaxThreads)
       Row<T, kChunks> row;
       read_row<kLanes>(stage, chunks, row);
       uint8_t* tile_row = a.tile_bytes ? tile + rows.tile_row(at) * a.tile_cols : nullptr;
-      norm_row<F, N, kLanes>(row, chunks, r, a, scale, red[team], parity, team, amax, tile_row,
-                             [&] { copy(r_next); });
+      norm_row<F, N, kLanes, kStaged>(row, chunks, r, a, scale, red[team], parity, team, amax,
+                                      tile_row, [&] { copy(r_next); });
     } else {
       copy(r_next);
     }
@@ -482,13 +486,13 @@ struct Residency {
   int blocks_per_sm = 1;
 };
 
-template <Fp8Format F, NormType N, typename T, int kChunks, bool kWhole, int kLanes>
+template <Fp8Format F, NormType N, typename T, int kChunks, bool kWhole, int kLanes, bool kStaged>
 Residency residency(int fixed_bytes, int stage_bytes, int kind) {
-  const auto kernel = norm_cast_kernel<F, N, T, kChunks, kWhole, kLanes>;
-  // Per device and kind (with / without a tile, which current scaling alternates; with / without
-  // gamma and beta staged, which each launch asks), the last layout asked and its answer in one
-  // word (layout << 16 | teams << 8 | blocks), so racing launches see one whole answer or none.
-  static std::atomic<uint64_t> cache[64][4] = {};
+  const auto kernel = norm_cast_kernel<F, N, T, kChunks, kWhole, kLanes, kStaged>;
+  // Per device and kind (with / without a tile, which current scaling alternates), the last
+  // layout asked and its answer in one word (layout << 16 | teams << 8 | blocks), so racing
+  // launches see one whole answer or none.
+  static std::atomic<uint64_t> cache[64][2] = {};
   const uint64_t layout = (static_cast<uint64_t>(fixed_bytes) << 24 | stage_bytes) + 1;
   int dev = 0;
   cudaGetDevice(&dev);
@@ -520,6 +524,14 @@ Residency residency(int fixed_bytes, int stage_bytes, int kind) {
   return best;
 }
 
+// The instances built with gamma (and beta) staged: only rows of 4096 or more hold
+// kStagedParamBytes of them -- LayerNorm's at exactly 4096 (128 lanes, whole), RMSNorm's from
+// 8192 (256 lanes). Not LayerNorm's wider rows: its staged 256-lane instances spilled, and at
+// 8192 its 64 KB do not fit beside the tile anyway.
+template <NormType N, int kChunks, bool kWhole, int kLanes>
+constexpr bool kMayStage =
+    N == NormType::kLayerNorm ? kWhole && kLanes * 8 * kChunks == 4096 : kLanes == kNormLanes;
+
 template <Fp8Format F, NormType N, typename T, int kChunks, bool kWhole, int kLanes>
 void launch(Args a, cudaStream_t stream) {
   const NormCastParams& p = a.p;
@@ -542,17 +554,18 @@ void launch(Args a, cudaStream_t stream) {
   // 4096: 61 against 69 us; smaller ones lost 2-7 % there, in L1 already) and they leave as
   // many warps resident as without.
   const int param_bytes = static_cast<int>(p.hidden * sizeof(float)) * (p.beta ? 2 : 1);
-  const int kind = 2 * (a.tile_bytes > 0);
-  const auto resident_with = [&](int param, int k) {
-    return residency<F, N, T, kChunks, kWhole, kLanes>(a.tile_bytes + param, stage_bytes, k);
-  };
-  Residency res = resident_with(0, kind);
+  const int kind = a.tile_bytes > 0;
+  Residency res =
+      residency<F, N, T, kChunks, kWhole, kLanes, false>(a.tile_bytes, stage_bytes, kind);
   res.blocks_per_sm = std::max(res.blocks_per_sm, 1);
   a.param_bytes = 0;
-  if (a.tile_bytes > 0 && param_bytes >= kStagedParamBytes) {
-    const Residency staged = resident_with(param_bytes, kind + 1);
-    if (staged.blocks_per_sm * staged.teams >= res.blocks_per_sm * res.teams) {
-      res = staged, a.param_bytes = param_bytes;
+  if constexpr (kMayStage<N, kChunks, kWhole, kLanes>) {
+    if (a.tile_bytes > 0 && param_bytes >= kStagedParamBytes) {
+      const Residency staged = residency<F, N, T, kChunks, kWhole, kLanes, true>(
+          a.tile_bytes + param_bytes, stage_bytes, kind);
+      if (staged.blocks_per_sm * staged.teams >= res.blocks_per_sm * res.teams) {
+        res = staged, a.param_bytes = param_bytes;
+      }
     }
   }
   a.teams = res.teams;
@@ -561,7 +574,15 @@ void launch(Args a, cudaStream_t stream) {
   const int64_t resident = int64_t{res.blocks_per_sm} * current_sm_count();
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min(groups, resident)));
   const int smem = a.tile_bytes + a.param_bytes + a.teams * stage_bytes;
-  norm_cast_kernel<F, N, T, kChunks, kWhole, kLanes><<<grid, kLanes * a.teams, smem, stream>>>(a);
+  if constexpr (kMayStage<N, kChunks, kWhole, kLanes>) {
+    if (a.param_bytes) {
+      norm_cast_kernel<F, N, T, kChunks, kWhole, kLanes, true>
+          <<<grid, kLanes * a.teams, smem, stream>>>(a);
+      return;
+    }
+  }
+  norm_cast_kernel<F, N, T, kChunks, kWhole, kLanes, false>
+      <<<grid, kLanes * a.teams, smem, stream>>>(a);
 }
 
 template <Fp8Format F, NormType N, typename T>
