@@ -30,10 +30,11 @@ struct EnergyCounter {
   EnergyCounter() {
     void* lib = dlopen("libnvidia-ml.so.1", RTLD_NOW);
     if (!lib) return;
-    reinterpret_cast<int (*)()>(dlsym(lib, "nvmlInit_v2"))();
-    reinterpret_cast<int (*)(unsigned, void**)>(dlsym(lib, "nvmlDeviceGetHandleByIndex_v2"))(
-        0, &device);
-    get = reinterpret_cast<GetEnergy>(dlsym(lib, "nvmlDeviceGetTotalEnergyConsumption"));
+    auto init = reinterpret_cast<int (*)()>(dlsym(lib, "nvmlInit_v2"));
+    auto handle =
+        reinterpret_cast<int (*)(unsigned, void**)>(dlsym(lib, "nvmlDeviceGetHandleByIndex_v2"));
+    auto energy = reinterpret_cast<GetEnergy>(dlsym(lib, "nvmlDeviceGetTotalEnergyConsumption"));
+    if (init && handle && energy && init() == 0 && handle(0, &device) == 0) get = energy;
   }
   unsigned long long mj() const {
     unsigned long long e = 0;
@@ -152,6 +153,11 @@ int main(int argc, char** argv) {
   if (argc > 3 || hidden <= 0 || tokens <= 0 || hidden % 16 || tokens % 16) {
     fprintf(stderr, "usage: %s [hidden [tokens]]  (multiples of 16; default 4096 8192)\n", argv[0]);
     return 2;
+  }
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus == 0) {
+    fprintf(stderr, "%s: no CUDA GPU visible\n", argv[0]);
+    return 1;
   }
   setenv("TPFP8_GEMM_AUTOTUNE", "0", 1);  // build_plan's own choice is not needed here
   const int64_t ffn = 4 * hidden;
