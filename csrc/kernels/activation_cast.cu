@@ -24,6 +24,10 @@
 // bf16 inputs skip the math for nearly every element: tables of what depends on x alone over the
 // 4096 bf16 inputs with 2^-12 <= |x| < 16, filled by each block with the same functions
 // (ActivationTable), take 16 KiB (32 for SwiGLU's backward) of shared memory before the tiles.
+// From tables the kernels are still issue-bound (ncu, GELU forward: 72-76 % of issue slots), so
+// a segment's bookkeeping counts: its table entries are computed on the input words two at a
+// time, the amax is a tree of FMNMX with |y| operands, and the tile's addresses are constant
+// offsets (H200, 8192x16384: GELU forward 225 -> 166 us, backward 251 -> 216).
 //
 // dbias (backward) is cast.h's order of column sums, which is this layout: a thread adds its
 // segments' fp32 results over the 8 passes in registers (a lane sum of 8 columns per output
@@ -82,14 +86,35 @@ struct Args {
 // One output tile's warp sums of the column sums: [warp][column] fp32.
 constexpr int kSumBytes = kDbiasGroups * kFp8Tile * 4;
 
+// A segment's 8 inputs of one tensor as the 32-bit words they arrive in (16-bit elements two a
+// word, the first in the low half): an element is unpacked where it is used, and the tables'
+// entries are computed on the words (in registers, a Pack8 of 16-bit elements was unpacked
+// into a register each and packed again: 12-24 instructions a segment).
+template <typename T>
+struct alignas(16) Words {
+  static constexpr int kCount = 2 * static_cast<int>(sizeof(T));
+  uint32_t w[kCount];
+  __device__ float at(int j) const { return device::element<T>(w, j); }
+  __device__ uint32_t bits(int j) const {  // element j's own bits (16-bit T)
+    return w[j / 2] >> 16 * (j % 2) & 0xFFFFu;
+  }
+};
+
 // The first `valid` of eight elements from p (columns k .. k+7 of a row), element by element
 // (unaligned inputs); zeros past the edge.
 template <typename T>
-__device__ __forceinline__ Pack8<T> load8(const T* p, int valid) {
-  Pack8<T> r{};
+__device__ __forceinline__ Words<T> load8(const T* p, int valid) {
+  constexpr int kPerWord = 8 / Words<T>::kCount;
+  Words<T> r{};
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    if (j < valid) r.v[j] = p[j];
+    uint32_t bits = 0;
+    if constexpr (sizeof(T) == 4) {
+      if (j < valid) bits = float_bits(p[j]);
+    } else {
+      if (j < valid) bits = p[j].bits;
+    }
+    r.w[j / kPerWord] |= bits << (32 / kPerWord) * (j % kPerWord);
   }
   return r;
 }
@@ -159,9 +184,10 @@ struct Walk {
     Place p{item, pass};
     // The cast pass after current scaling's amax pass goes backwards: it starts on what the
     // amax pass read last, which L2 still holds.
-    const int tile = reverse ? num_tiles - 1 - item : item;
-    p.m0 = int64_t{tile / tiles_k} * kFp8Tile;
-    p.k0 = int64_t{tile % tiles_k} * kFp8Tile;
+    // (unsigned: int's division costs a sign fix-up on top)
+    const uint32_t tile = reverse ? num_tiles - 1 - item : item;
+    p.m0 = int64_t{tile / static_cast<uint32_t>(tiles_k)} * kFp8Tile;
+    p.k0 = int64_t{tile % static_cast<uint32_t>(tiles_k)} * kFp8Tile;
     p.m = p.m0 + row0 + pass * kRowsPerPass;
     p.k = p.k0 + seg * 8;
     p.valid = item < num_tiles && p.m < rows ? static_cast<int>(std::min<int64_t>(8, n - p.k)) : 0;
@@ -203,11 +229,11 @@ struct Stage {
       }
     }
   }
-  __device__ Pack8<T> read(int i) const {
-    Pack8<T> r;
+  __device__ Words<T> read(int i) const {
+    Words<T> r;
 #pragma unroll
     for (int q = 0; q < kPieces; ++q) {
-      reinterpret_cast<uint4*>(&r)[q] = slot[(i * kPieces + q) * kThreads + threadIdx.x];
+      reinterpret_cast<uint4*>(r.w)[q] = slot[(i * kPieces + q) * kThreads + threadIdx.x];
     }
     return r;
   }
@@ -235,7 +261,7 @@ __device__ __forceinline__ void wait_copies() {
 // tiny, huge, inf, NaN, padding) is computed, alone: the rest of its segment is still looked up
 // (|x| < 2^-12 is ~1 in 5000 normal activations, so ~3-5 % of a warp's segments hold one, and
 // the warp waits for one computed element instead of eight). The exact math is 45-70
-// instructions an element (issue-bound: more resident blocks made GELU slower), a lookup ~6.
+// instructions an element (issue-bound: more resident blocks made GELU slower), a lookup ~4.
 template <Activation A, bool kBackward>
 struct ActivationTable {
   static constexpr uint32_t kLowExponent = 127 - 12;  // biased: |x| >= 2^-12
@@ -258,26 +284,39 @@ struct ActivationTable {
     }
   }
 
-  // Whether the tables hold x (x0's bits) / every x of a segment.
-  __device__ static bool holds(uint16_t bits) { return magnitude(bits) < kHalf; }
-  __device__ static bool holds(const Pack8<bf16_t>& x) {
-    uint32_t worst = 0;
+  // Whether the tables hold x (x0's bits), and its entry there: the sign moved to kHalf.
+  __device__ static bool holds(uint32_t bits) { return magnitude(bits) < kHalf; }
+  __device__ static uint32_t entry(uint32_t bits) {
+    return magnitude(bits) | ((bits >> 4) & kHalf);
+  }
+  // Whether the tables hold every x of a segment, and their entries (where they do), computed
+  // two at a time in the words the bf16 pairs share: entry() of each half. A half below the
+  // range wraps round into the bits from kHalf up, and borrows from the half above it, which
+  // then is off or was below too; so one OR of the differences tells.
+  __device__ static bool entries(const Words<bf16_t>& x, uint32_t (&at)[8]) {
+    constexpr uint32_t kPair = 0x10001u;  // a 16-bit constant in both halves
+    const uint32_t* w = x.w;
+    uint32_t off = 0;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) worst = max(worst, magnitude(x.v[j].bits));
-    return worst < kHalf;
+    for (int q = 0; q < 4; ++q) {
+      const uint32_t d = (w[q] & 0x7FFFu * kPair) - (kLowExponent << 7) * kPair;
+      off |= d;
+      const uint32_t pair = d | ((w[q] >> 4) & kHalf * kPair);
+      at[2 * q] = pair & 0xFFFFu;
+      at[2 * q + 1] = pair >> 16;
+    }
+    return (off & (0x10000u - kHalf) * kPair) == 0;
   }
   // Element j's results from its inputs (x0, x1 for SwiGLU, g for backward, as
-  // activation_element takes them), where the tables hold its x0.
+  // activation_element takes them), where the tables hold its x0 (entry `at`).
   template <int kInputs>
-  __device__ static void lookup(const float* table, const Pack8<bf16_t> (&in)[kInputs], int j,
-                                float& y0, float& y1) {
-    const uint32_t u = in[0].v[j].bits;
-    const uint32_t at = magnitude(u) | ((u >> 4) & kHalf);  // (u >> 4: the sign bit)
-    const float g = kBackward ? device::load_float(in[kInputs - 1].v[j]) : 0.0f;
+  __device__ static void lookup(const float* table, const Words<bf16_t> (&in)[kInputs], int j,
+                                uint32_t at, float& y0, float& y1) {
+    const float g = kBackward ? in[kInputs - 1].at(j) : 0.0f;
     if constexpr (A == Activation::kGelu) {
       y0 = kBackward ? mul_rn(g, table[at]) : table[at];
     } else {
-      const float b = device::load_float(in[1].v[j]);
+      const float b = in[1].at(j);
       if constexpr (kBackward) {
         y0 = mul_rn(mul_rn(g, b), table[at]);  // as swiglu_grad
         y1 = mul_rn(g, table[kEntries + at]);
@@ -359,7 +398,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<A, kBackward, T, kDbias>)
     Table::fill(table);  // while the first inputs are in flight
     __syncthreads();
   }
-  uint32_t local_amax = 0;
+  float local_amax = 0.0f;
   // The lane sums of cast.h's dbias order: this thread's 8 columns of each output tile over its
   // rows row0, row0 + 16, ..., row0 + 112 of the current tile.
   float sums[kOutTiles][8] = {};
@@ -374,7 +413,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<A, kBackward, T, kDbias>)
     // Segments past the edge would compute 0, which leaves the max alone; their rows of the
     // shared tile keep stale bytes, which are never stored.
     if (cur.valid > 0) {
-      Pack8<T> in[kInputs];
+      Words<T> in[kInputs];
       const T* src[kInputs];
       sources(cur, src);
 #pragma unroll
@@ -383,20 +422,22 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<A, kBackward, T, kDbias>)
       }
       float y0[8], y1[8] = {};
       const auto compute = [&](int j) {
-        const float x0 = device::load_float(in[0].v[j]);
-        const float x1 = kSwiGLU ? device::load_float(in[kSwiGLU ? 1 : 0].v[j]) : 0.0f;
-        const float g = kBackward ? device::load_float(in[kInputs - 1].v[j]) : 0.0f;
+        const float x0 = in[0].at(j);
+        const float x1 = kSwiGLU ? in[kSwiGLU ? 1 : 0].at(j) : 0.0f;
+        const float g = kBackward ? in[kInputs - 1].at(j) : 0.0f;
         activation_element<A, kBackward>(x0, x1, g, y0[j], y1[j]);
       };
       if constexpr (kTable) {
-        if (Table::holds(in[0])) {  // the usual case, free of per-element branches
+        uint32_t at[8];
+        if (Table::entries(in[0], at)) {  // the usual case, free of per-element branches
 #pragma unroll
-          for (int j = 0; j < 8; ++j) Table::lookup(table, in, j, y0[j], y1[j]);
+          for (int j = 0; j < 8; ++j) Table::lookup(table, in, j, at[j], y0[j], y1[j]);
         } else {
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
-            if (Table::holds(in[0].v[j].bits)) {
-              Table::lookup(table, in, j, y0[j], y1[j]);
+            const uint32_t bits = in[0].bits(j);
+            if (Table::holds(bits)) {
+              Table::lookup(table, in, j, Table::entry(bits), y0[j], y1[j]);
             } else {
               compute(j);
             }
@@ -406,13 +447,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<A, kBackward, T, kDbias>)
 #pragma unroll
         for (int j = 0; j < 8; ++j) compute(j);
       }
+      // Padding (j >= valid) computes to 0, which leaves the max alone (and the sums of
+      // columns that are never stored).
+      local_amax = device::max_abs8(local_amax, y0);
+      if constexpr (kOutTiles == 2) local_amax = device::max_abs8(local_amax, y1);
+      if constexpr (kDbias) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        // Padding (j >= valid) computes to 0, which leaves the max alone (and the sums of
-        // columns that are never stored).
-        local_amax = max(local_amax, abs_bits(y0[j]));
-        if (kOutTiles == 2) local_amax = max(local_amax, abs_bits(y1[j]));
-        if constexpr (kDbias) {
+        for (int j = 0; j < 8; ++j) {
           sums[0][j] += y0[j];
           if constexpr (kOutTiles == 2) sums[kOutTiles - 1][j] += y1[j];
         }
@@ -457,7 +498,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<A, kBackward, T, kDbias>)
     cur = walk.next(cur);
   }
   if (vec) wait_copies<0>();  // none may land after the block's shared memory is reused
-  if (amax) device::fold_block_amax(local_amax, amax);
+  if (amax) device::fold_block_amax(float_bits(local_amax), amax);
   if (scale_inv && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = div_rn(1.0f, scale);
 }
 

@@ -33,6 +33,19 @@ __device__ __forceinline__ float load_float(fp16_t x) {
 __device__ __forceinline__ float load_float(bf16_t x) { return to_float(x); }
 __device__ __forceinline__ float load_float(float x) { return x; }
 
+// Element j of 8 held in 32-bit words as in memory (16-bit elements two a word, the first in the
+// low half), as fp32: load_float of it, unpacked from its word only where it is used.
+template <typename T>
+__device__ __forceinline__ float element(const uint32_t* w, int j) {
+  if constexpr (sizeof(T) == 4) {
+    return bits_float(w[j]);
+  } else if constexpr (std::is_same_v<T, bf16_t>) {
+    return bits_float(j % 2 == 0 ? w[j / 2] << 16 : w[j / 2] & 0xFFFF0000u);
+  } else {
+    return load_float(fp16_t{static_cast<uint16_t>(w[j / 2] >> 16 * (j % 2))});
+  }
+}
+
 // Four scaled values to four FP8 bytes (first value in the lowest byte). Branch-free, so
 // the compiler keeps a thread's loads in flight together.
 template <Fp8Format F>
@@ -138,13 +151,30 @@ __device__ __forceinline__ void transpose4x4(const uint32_t w[4], uint32_t t[4])
   t[3] = __byte_perm(x1, y1, 0x7632);
 }
 
+// max(a, b), NaN if either is: one FMNMX.NAN, whose operands take |x| as a modifier. Its bits
+// over |x|, canonicalised, are abs_bits' max (a max over abs_bits takes three instructions).
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+// max(a, |y[0]|, ..., |y[7]|) as a tree four deep: the same eight instructions as a chain, which
+// kept a warp of the multi-input kernels waiting eight latencies a segment.
+__device__ __forceinline__ float max_abs8(float a, const float (&y)[8]) {
+  float m[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) m[i] = max_nan(fabsf(y[2 * i]), fabsf(y[2 * i + 1]));
+  return max_nan(a, max_nan(max_nan(m[0], m[1]), max_nan(m[2], m[3])));
+}
+
 // Block-wide max of `v`, then one atomic per block into *amax (fp32 >= 0 or NaN, compared
-// as ordered bits). Every thread of the block must call it.
+// as ordered bits). `v` may be a max of raw |x| bits, any NaN payload: it is made abs_bits'
+// here, once, instead of per element. Every thread of the block must call it.
 __device__ __forceinline__ void fold_block_amax(uint32_t v, float* amax) {
   __shared__ uint32_t warp_max[32];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
-  v = __reduce_max_sync(0xFFFFFFFFu, v);
+  v = __reduce_max_sync(0xFFFFFFFFu, canonical_amax_bits(v));
   if (lane == 0) warp_max[warp] = v;
   __syncthreads();
   if (warp == 0) {

@@ -21,9 +21,10 @@ namespace device {
 constexpr int kFp8Tile = 128;                // rows and columns of a tile
 constexpr int kFp8TileWords = kFp8Tile / 4;  // 32-bit words per tile row
 
-// Index of the word holding bytes [4 word, 4 word + 4) of tile row `row`.
-__device__ __forceinline__ int fp8_tile_word(int row, int word) {
-  return row * kFp8TileWords + (word ^ (((row / 16) % 8) << 2));
+// Index of the word holding bytes [4 word, 4 word + 4) of tile row `row` (unsigned: a shift
+// and a mask, where int's / and % cost a signed-division fix-up each per segment).
+__device__ __forceinline__ uint32_t fp8_tile_word(uint32_t row, uint32_t word) {
+  return row * kFp8TileWords + (word ^ ((row / 16 % 8) << 2));
 }
 
 // Stores tile rows [0, m_end - m0) and columns [0, cols) transposed: tile (r, c) goes to
@@ -35,22 +36,24 @@ __device__ __forceinline__ void store_tile_columnwise(const uint32_t* tile, uint
                                                       int64_t col0, int64_t cols, bool vec) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int group = lane % 8, word = warp * 4 + lane / 8;  // 16-row group, 4-column word
-  uint32_t t[4][4];                                        // [4-row block][column]
+  // The group's 16 rows share one swizzle, so their words lie a row apart: constant offsets.
+  const uint32_t* first = tile + fp8_tile_word(group * 16, word);
+  uint32_t t[4][4];  // [4-row block][column]
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     uint32_t w[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) w[i] = tile[fp8_tile_word(group * 16 + j * 4 + i, word)];
+    for (int i = 0; i < 4; ++i) w[i] = first[(j * 4 + i) * kFp8TileWords];
     transpose4x4(w, t[j]);
   }
   const int64_t m = m0 + group * 16;
   if (m >= m_end) return;
+  const bool whole = vec && m + 16 <= m_end;
+  uint8_t* dst = out + (col0 + word * 4) * rows + m;
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const int64_t k = word * 4 + c;
-    if (k >= cols) continue;
-    uint8_t* dst = out + (col0 + k) * rows + m;
-    if (vec && m + 16 <= m_end) {
+  for (int c = 0; c < 4; ++c, dst += rows) {
+    if (word * 4 + c >= cols) return;
+    if (whole) {
       *reinterpret_cast<uint4*>(dst) = make_uint4(t[0][c], t[1][c], t[2][c], t[3][c]);
     } else {
 #pragma unroll

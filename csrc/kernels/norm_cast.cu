@@ -66,18 +66,6 @@ struct Row {
   uint32_t w[kChunks][kWords];
 };
 
-// Element j of the 8 held in words w, as fp32: load_float of it.
-template <typename T>
-__device__ __forceinline__ float element(const uint32_t* w, int j) {
-  if constexpr (sizeof(T) == 4) {
-    return bits_float(w[j]);
-  } else if constexpr (std::is_same_v<T, bf16_t>) {
-    return bits_float(j % 2 == 0 ? w[j / 2] << 16 : w[j / 2] & 0xFFFF0000u);
-  } else {
-    return device::load_float(fp16_t{static_cast<uint16_t>(w[j / 2] >> 16 * (j % 2))});
-  }
-}
-
 struct Args {
   NormCastParams p;
   int group_rows;       // rows per group: 8, 16 or 32
@@ -202,7 +190,7 @@ __device__ __forceinline__ float lane_sum(const Row<T, kChunks>& row, int chunks
   for (int k = 0; k < kChunks; ++k) {
     if (k < chunks) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) s = add_rn(s, f(element<T>(row.w[k], j)));
+      for (int j = 0; j < 8; ++j) s = add_rn(s, f(device::element<T>(row.w[k], j)));
     }
   }
   return s;
@@ -302,7 +290,7 @@ __device__ __forceinline__ void norm_row(const Row<T, kChunks>& row, int chunks,
     float f[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      f[j] = norm_apply(element<T>(row.w[k], j), mean, rstd, gs[j], bs[j], N);
+      f[j] = norm_apply(device::element<T>(row.w[k], j), mean, rstd, gs[j], bs[j], N);
     }
     uint32_t y[Row<T, kChunks>::kWords];
     round_chunk<T>(f, y, amax);
@@ -318,7 +306,7 @@ __device__ __forceinline__ void norm_row(const Row<T, kChunks>& row, int chunks,
     if (!rowwise && !tile) continue;
     float v[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = mul_rn(element<T>(y, j), scale);
+    for (int j = 0; j < 8; ++j) v[j] = mul_rn(device::element<T>(y, j), scale);
     const uint2 bytes = make_uint2(device::encode4<F>(v), device::encode4<F>(v + 4));
     if (rowwise) *reinterpret_cast<uint2*>(rowwise + at + k * kStride) = bytes;
     if (tile && c8 < a.tile_cols) *reinterpret_cast<uint2*>(tile + k * kStride) = bytes;
