@@ -63,19 +63,8 @@ float per_call_ms(F f, int calls, cudaStream_t st) {
 // build_plan's heuristic query, asking for every candidate.
 int all_candidates(cublasLtHandle_t handle, const Plan& plan, const PlanKey& key,
                    const GemmParams& p, cublasLtMatmulHeuristicResult_t (&res)[32]) {
-  cublasLtMatmulPreference_t pref;
-  cublasLtMatmulPreferenceCreate(&pref);
-  const uint64_t ws = p.workspace_size;
-  const uint32_t aa = key.align_b, ab = key.align_a, ad = key.align_d;  // cuBLAS A is our B
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, 8);
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &aa, 4);
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ab, 4);
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ad, 4);
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ad, 4);
   int found = 0;
-  cublasLtMatmulAlgoGetHeuristic(handle, plan.desc, plan.a, plan.b, plan.d, plan.d, pref, 32, res,
-                                 &found);
-  cublasLtMatmulPreferenceDestroy(pref);
+  heuristic_candidates(handle, plan, key, p, 32, res, &found);
   return found;
 }
 

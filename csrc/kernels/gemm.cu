@@ -167,6 +167,30 @@ cublasLtMatmulAlgo_t fastest(cublasLtHandle_t handle, const Plan& plan, const Ge
   return results[best].algo;
 }
 
+// cuBLASLt's candidates for a plan's descriptors (at most `max`, its estimate's fastest first)
+// under the key's workspace and alignments. bench/gemm_candidates.cu asks for every one.
+cublasStatus_t heuristic_candidates(cublasLtHandle_t handle, const Plan& plan, const PlanKey& key,
+                                    const GemmParams& p, int max,
+                                    cublasLtMatmulHeuristicResult_t* results, int* found) {
+  cublasLtMatmulPreference_t pref;
+  cublasStatus_t st = cublasLtMatmulPreferenceCreate(&pref);
+  if (st != CUBLAS_STATUS_SUCCESS) return st;
+  const uint64_t ws = p.workspace_size;
+  const uint32_t aa = key.align_b, ab = key.align_a, ad = key.align_d;  // cuBLAS A is our B
+  const auto set_pref = [&](cublasLtMatmulPreferenceAttributes_t attr, const auto& value) {
+    cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof(value));
+  };
+  set_pref(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ws);
+  set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, aa);
+  set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, ab);
+  set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, ad);
+  set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, ad);
+  st = cublasLtMatmulAlgoGetHeuristic(handle, plan.desc, plan.a, plan.b, plan.d, plan.d, pref, max,
+                                      results, found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  return st;
+}
+
 // Descriptors and algorithm for one key; column-major view described in the file comment.
 std::string build_plan(const GemmParams& p, const PlanKey& key, cublasLtHandle_t handle, Plan& plan,
                        cudaStream_t stream) {
@@ -190,26 +214,11 @@ std::string build_plan(const GemmParams& p, const PlanKey& key, cublasLtHandle_t
                                       p.a.transposed ? p.k : p.m, p.a.transposed ? p.m : p.k));
   TPFP8_LT(cublasLtMatrixLayoutCreate(&plan.d, cuda_type(p.d_type), p.n, p.m, p.n));
 
-  cublasLtMatmulPreference_t pref;
-  TPFP8_LT(cublasLtMatmulPreferenceCreate(&pref));
-  const uint64_t ws = p.workspace_size;
-  const uint32_t aa = key.align_b, ab = key.align_a, ad = key.align_d;  // cuBLAS A is our B
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
-                                       sizeof(ws));
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &aa,
-                                       sizeof(aa));
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ab,
-                                       sizeof(ab));
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ad,
-                                       sizeof(ad));
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ad,
-                                       sizeof(ad));
   constexpr int kCandidates = 8;
   cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
   int found = 0;
-  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(
-      handle, plan.desc, plan.a, plan.b, plan.d, plan.d, pref, kCandidates, results, &found);
-  cublasLtMatmulPreferenceDestroy(pref);
+  const cublasStatus_t st =
+      heuristic_candidates(handle, plan, key, p, kCandidates, results, &found);
   if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
     std::ostringstream os;
     os << "cuBLASLt has no kernel for D[" << p.m << ", " << p.n << "] = A . B^T with K=" << p.k
