@@ -95,7 +95,8 @@ struct alignas(16) Words {
   static constexpr int kCount = 2 * static_cast<int>(sizeof(T));
   uint32_t w[kCount];
   __device__ float at(int j) const { return device::element<T>(w, j); }
-  __device__ uint32_t bits(int j) const {  // element j's own bits (16-bit T)
+  __device__ uint32_t bits(int j) const {  // element j's own bits
+    static_assert(sizeof(T) == 2, "two elements a word");
     return w[j / 2] >> 16 * (j % 2) & 0xFFFFu;
   }
 };
@@ -290,9 +291,10 @@ struct ActivationTable {
     return magnitude(bits) | ((bits >> 4) & kHalf);
   }
   // Whether the tables hold every x of a segment, and their entries (where they do), computed
-  // two at a time in the words the bf16 pairs share: entry() of each half. A half below the
-  // range wraps round into the bits from kHalf up, and borrows from the half above it, which
-  // then is off or was below too; so one OR of the differences tells.
+  // two at a time in the words the bf16 pairs share: entry() of each half. A half outside the
+  // range leaves a bit from kHalf up in its difference (one below wraps round; the borrow it
+  // takes from the half above only matters when it already tells), so one OR of the four
+  // differences decides. Equal to holds() and entry() for all 2^32 words (checked on the CPU).
   __device__ static bool entries(const Words<bf16_t>& x, uint32_t (&at)[8]) {
     constexpr uint32_t kPair = 0x10001u;  // a 16-bit constant in both halves
     const uint32_t* w = x.w;
