@@ -1,12 +1,12 @@
-// Kernel time of norm_cast, norm_backward and activation_cast at Llama-like shapes, without
-// torch: for A/B runs of kernel variants, each binary built from one tree's kernel sources
+// Kernel time of the casts, norm_cast, norm_backward and activation_cast at Llama-like shapes,
+// without torch: for A/B runs of kernel variants, each binary built from one tree's kernel sources
 // (bench/RESULTS.md, 11th session). Run on the GPU machine, from the repository root:
 //   K=csrc/kernels; F="-std=c++17 --expt-relaxed-constexpr -O3 -DTPFP8_WITH_CUDA -Icsrc \
 //     -gencode=arch=compute_90a,code=sm_90a -Xcompiler -ffp-contract=off"
 //   nvcc $F -o /tmp/kernel_time bench/kernel_time.cu $K/norm_cast.cu $K/norm_backward.cu \
 //     $K/activation_cast.cu $K/cast.cu $K/cast_transpose.cu $K/norm_cast_cpu.cpp \
 //     $K/norm_backward_cpu.cpp $K/activation_cast_cpu.cpp $K/cast_cpu.cpp
-//   /tmp/kernel_time [all|copy|norm|normbwd|act]     # ONCE=1: one launch each (for ncu)
+//   /tmp/kernel_time [all|copy|cast|norm|normbwd|act]   # ONCE=1: one launch each (for ncu)
 // Inputs are uniform in [-2, 2) bf16; the scale is 1 (delayed scaling). GB/s counts the bytes
 // each kernel must move (bf16 in, FP8 out).
 #include <cuda_runtime.h>
@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "kernels/activation_cast.h"
+#include "kernels/cast.h"
 #include "kernels/norm_backward.h"
 #include "kernels/norm_cast.h"
 
@@ -81,6 +82,46 @@ void time_copy(const Buffers& b) {
     const float us = time_us([&] { cudaMemcpyAsync(b.out, b.x, bytes / 2, cudaMemcpyDefault); });
     printf("copy %zu MB moved: %.1f us, %.0f GB/s\n", mb, us, bytes / us / 1e3);
   }
+}
+
+// The MLP block's casts at hidden 4096 (bf16, 8192 tokens, FFN 16384): cast-transpose of x
+// (E4M3) and of the output gradient (E5M2, with and without the bias gradient), of a weight
+// [16384, 4096] (E4M3); row-wise-only quantize and the amax pass of current scaling. GB/s counts
+// bf16 in, FP8 out (and the amax pass's read).
+void time_cast(const Buffers& b) {
+  float* partial;
+  cudaMalloc(&partial, dbias_tiles(16384) * 4096 * 4);
+  struct Case {
+    const char* name;
+    int64_t rows;
+    Fp8Format format;
+    bool columnwise, dbias, transpose;
+  };
+  const Case cases[] = {
+      {"cast_transpose x e4m3 8192x4096", 8192, Fp8Format::kE4M3, true, false, true},
+      {"cast_transpose dy e5m2 8192x4096", 8192, Fp8Format::kE5M2, true, false, true},
+      {"cast_transpose dy e5m2 8192x4096 +dbias", 8192, Fp8Format::kE5M2, true, true, true},
+      {"cast_transpose w e4m3 16384x4096", 16384, Fp8Format::kE4M3, true, false, true},
+      {"quantize x e4m3 8192x4096", 8192, Fp8Format::kE4M3, false, false, false}};
+  for (const Case& c : cases) {
+    CastParams p;
+    p.input = b.x, p.dtype = DType::kBFloat16, p.rows = c.rows, p.cols = 4096;
+    p.format = c.format, p.scale = b.scale, p.rowwise = static_cast<uint8_t*>(b.row);
+    p.columnwise = c.columnwise ? static_cast<uint8_t*>(b.col) : nullptr;
+    p.amax = b.amax, p.scale_inv = b.scale_inv;
+    p.dbias = c.dbias ? reinterpret_cast<float*>(b.out) : nullptr;
+    p.dbias_partial = c.dbias ? partial : nullptr;
+    const float us =
+        time_us([&] { c.transpose ? cast_transpose_cuda(p, 0) : quantize_cuda(p, 0); });
+    const double bytes = c.rows * 4096.0 * (2 + 1 + c.columnwise);
+    printf("%s: %.1f us, %.0f GB/s (%s)\n", c.name, us, bytes / us / 1e3,
+           cudaGetErrorString(cudaGetLastError()));
+  }
+  const float us =
+      time_us([&] { amax_cuda(b.x, DType::kBFloat16, int64_t{8192} * 4096, b.amax, 0); });
+  printf("amax x 8192x4096: %.1f us, %.0f GB/s (%s)\n", us, 8192.0 * 4096 * 2 / us / 1e3,
+         cudaGetErrorString(cudaGetLastError()));
+  cudaFree(partial);
 }
 
 // RMSNorm or LayerNorm of bf16 [8192, hidden] to row-wise FP8, column-wise too, and the bf16
@@ -176,14 +217,15 @@ void time_activation(const Buffers& b) {
 int main(int argc, char** argv) {
   const char* what = argc > 1 ? argv[1] : "all";
   const bool all = !strcmp(what, "all");
-  if (!all && strcmp(what, "copy") && strcmp(what, "norm") && strcmp(what, "normbwd") &&
-      strcmp(what, "act")) {
-    fprintf(stderr, "usage: %s [all|copy|norm|normbwd|act]  (ONCE=1: one launch per case)\n",
+  if (!all && strcmp(what, "copy") && strcmp(what, "cast") && strcmp(what, "norm") &&
+      strcmp(what, "normbwd") && strcmp(what, "act")) {
+    fprintf(stderr, "usage: %s [all|copy|cast|norm|normbwd|act]  (ONCE=1: one launch per case)\n",
             argv[0]);
     return 2;
   }
   const Buffers b = make_buffers();
   if (all || !strcmp(what, "copy")) time_copy(b);
+  if (all || !strcmp(what, "cast")) time_cast(b);
   if (all || !strcmp(what, "norm")) time_norm(b);
   if (all || !strcmp(what, "normbwd")) time_norm_backward(b);
   if (all || !strcmp(what, "act")) time_activation(b);

@@ -77,11 +77,14 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// max_abs8's FMNMX tree, canonicalised in the fold (H200, 8192x4096 bf16: 19.8-20.1 -> 18.4-18.7
+// us against abs_bits per element).
 template <typename T>
-__device__ __forceinline__ uint32_t pack_amax(const device::Pack8<T>& pack, uint32_t amax) {
+__device__ __forceinline__ float pack_amax(const device::Pack8<T>& pack, float amax) {
+  float x[8];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) amax = max(amax, abs_bits(device::load_float(pack.v[j])));
-  return amax;
+  for (int j = 0; j < 8; ++j) x[j] = device::load_float(pack.v[j]);
+  return device::max_abs8(amax, x);
 }
 
 // kAmaxLoads 16-byte loads are issued before any is used: with one in flight per thread, even a
@@ -92,7 +95,7 @@ constexpr int kAmaxLoads = 4;
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     amax_kernel(const T* __restrict__ in, int64_t n, float* amax, bool vec) {
-  uint32_t local_amax = 0;
+  float local_amax = 0.0f;
   const int64_t stride = int64_t{gridDim.x} * kThreads;
   const int64_t first = blockIdx.x * int64_t{kThreads} + threadIdx.x;
   const int64_t whole = vec ? n / 8 : 0;  // 8-element chunks read as one access
@@ -109,9 +112,9 @@ __global__ void __launch_bounds__(kThreads)
   }
   // The elements no chunk covered: all of them on the scalar path, else the last n % 8.
   for (int64_t i = whole * 8 + first; i < n; i += stride) {
-    local_amax = max(local_amax, abs_bits(device::load_float(in[i])));
+    local_amax = device::max_abs(local_amax, device::load_float(in[i]));
   }
-  device::fold_block_amax(local_amax, amax);
+  device::fold_block_amax(float_bits(local_amax), amax);
 }
 
 }  // namespace

@@ -77,8 +77,10 @@ TPFP8_HD fp16_t from_float<fp16_t>(float x) {
 // |x| as ordered fp32 bits with every NaN made the same quiet NaN: an unsigned max over
 // these is the amax, propagates NaN, and does not depend on the order of reduction. Every NaN's
 // raw |x| bits order above inf, so canonical_amax_bits of a max over raw bits is the same value:
-// the activation kernels take that max (device::max_abs8) and fold_block_amax canonicalises
-// once; cast8, cast.cu and cast_transpose still take abs_bits per element.
+// the activation kernels and cast.cu's amax pass take that max (device::max_abs8) and
+// fold_block_amax canonicalises once. norm_cast keeps a max over its output's own bits (amax_bits
+// converts it). cast8 (quantize, cast_transpose) and the CPU references take abs_bits per element:
+// cast8 measured faster so (cast_device.cuh).
 TPFP8_HD uint32_t canonical_amax_bits(uint32_t a) { return a > 0x7F800000u ? 0x7FC00000u : a; }
 TPFP8_HD uint32_t abs_bits(float x) { return canonical_amax_bits(float_bits(x) & 0x7FFFFFFFu); }
 
