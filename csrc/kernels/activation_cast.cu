@@ -24,10 +24,11 @@
 // bf16 inputs skip the math for nearly every element: tables of what depends on x alone over the
 // 4096 bf16 inputs with 2^-12 <= |x| < 16, filled by each block with the same functions
 // (ActivationTable), take 16 KiB (32 for SwiGLU's backward) of shared memory before the tiles.
-// From tables the kernels are still issue-bound (ncu, GELU forward: 72-76 % of issue slots), so
-// a segment's bookkeeping counts: its table entries are computed on the input words two at a
+// From tables the kernels were still issue-bound (ncu, GELU forward: 72-76 % of issue slots), so
+// a segment's bookkeeping counted: its table entries are computed on the input words two at a
 // time, the amax is a tree of FMNMX with |y| operands, and the tile's addresses are constant
-// offsets (H200, 8192x16384: GELU forward 225 -> 166 us, backward 251 -> 216).
+// offsets (H200, 8192x16384: GELU forward 225 -> 166 us, backward 251 -> 216). Past that, issue
+// no longer sets GELU's forward: a hot path 41 % shorter, or 4-5 input stages, left it at 166 us.
 //
 // dbias (backward) is cast.h's order of column sums, which is this layout: a thread adds its
 // segments' fp32 results over the 8 passes in registers (a lane sum of 8 columns per output
