@@ -230,27 +230,29 @@ TEST(NormCastCpu, RejectsWhatTheKernelCannotDo) {
 
 #if defined(TPFP8_WITH_CUDA)
 // Shapes: one chunk per lane or less, ragged row counts (partial 16 / 32-row groups, rows not a
-// multiple of 16: byte-wise column stores), 32-row groups of whole rows (hidden <= 4096) and of
-// column slices (wider rows with row-wise output: 8192, 8208 whose last slice is 16 columns,
-// 16384, 6160 with more groups than blocks; column-wise output alone keeps 16 / 8-row groups);
-// 128-lane rows (whole 2048 and 4096, ragged below) and 256-lane rows in two chunk buckets
-// (<= 8192, <= 16384).
+// multiple of 16: byte-wise column stores), 32-row groups of whole rows (hidden <= 4096), of
+// rows split over a cluster pair (8192 with row-wise output; 2200 rows: more groups than
+// clusters) and of column slices (other wide rows with row-wise output, and RMSNorm's 8192
+// without `out`: 8208 whose last slice is 16 columns, 16384, 6160 with more groups than blocks;
+// column-wise output alone keeps 16 / 8-row groups); 128-lane rows (whole 2048 and 4096, ragged
+// below) and 256-lane rows in two chunk buckets (<= 8192, <= 16384).
 const std::vector<Shape>& norm_shapes() {
-  static const std::vector<Shape> shapes = {{1, 16},     {3, 48},      {17, 1040}, {64, 2048},
-                                            {100, 3072}, {48, 4096},   {33, 8192}, {32, 8208},
-                                            {20, 16384}, {4500, 6160}, {0, 64}};
+  static const std::vector<Shape> shapes = {{1, 16},     {3, 48},     {17, 1040},   {64, 2048},
+                                            {100, 3072}, {48, 4096},  {33, 8192},   {2200, 8192},
+                                            {32, 8208},  {20, 16384}, {4500, 6160}, {0, 64}};
   return shapes;
 }
 
 std::vector<Case> cases_for(Shape s) {
   std::vector<Case> cases;
   const Outputs all, row_only{false, true, false, false}, col_only{false, false, true, true},
-      no_fp8{true, false, false, true};
+      no_fp8{true, false, false, true}, fp8{false, true, true, true};  // fp8: a Linear's input
   for (const NormType norm : {NormType::kLayerNorm, NormType::kRMSNorm}) {
     cases.push_back({s, norm, Fp8Format::kE4M3, all, 2.5f});
     cases.push_back({s, norm, Fp8Format::kE5M2, row_only, 1000.0f});
     cases.push_back({s, norm, Fp8Format::kE4M3, col_only, 0.75f});
     cases.push_back({s, norm, Fp8Format::kE4M3, no_fp8, 1.0f});
+    cases.push_back({s, norm, Fp8Format::kE4M3, fp8, 2.0f});
     cases.push_back({s, norm, Fp8Format::kE4M3, all, {}});
     cases.push_back({s, norm, Fp8Format::kE5M2, col_only, {}});
   }
