@@ -594,9 +594,10 @@ __global__ void __launch_bounds__(Plan<T, kChunks, kLanes>::kMaxThreads)
   // row later (split_collect): the partner's latency hides behind the previous row's writes.
   // The first sum (LayerNorm's mean, RMSNorm's sum of squares) goes after chunk kPostAt of the
   // previous row (its stage copy had chunks 0 and 1 to land), LayerNorm's second after chunk
-  // kPostAt + 1, once the mean is collected (posting the mean after chunk 0 was slower).
+  // kPostAt + 1, once the mean is collected (the mean after chunk 0 was no faster).
   constexpr int kPostAt = kChunks / 2 - 1;
   float mean_ahead = 0.0f;  // (split LayerNorm) the mean of the row in the stage
+  // Row r's sums due after chunk k of the row before; k < 0: all of them now (no row before).
   auto post_sums = [&](int64_t r, int k) {
     if (r < 0) return;
     const float h = static_cast<float>(p.hidden);
