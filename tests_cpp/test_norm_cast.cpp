@@ -231,15 +231,17 @@ TEST(NormCastCpu, RejectsWhatTheKernelCannotDo) {
 #if defined(TPFP8_WITH_CUDA)
 // Shapes: one chunk per lane or less, ragged row counts (partial 16 / 32-row groups, rows not a
 // multiple of 16: byte-wise column stores), 32-row groups of whole rows (hidden <= 4096), of
-// rows split over a cluster pair (8192 with row-wise output; 2200 rows: more groups than
-// clusters) and of column slices (other wide rows with row-wise output, and RMSNorm's 8192
-// without `out`: 8208 whose last slice is 16 columns, 16384, 6160 with more groups than blocks;
-// column-wise output alone keeps 16 / 8-row groups); 128-lane rows (whole 2048 and 4096, ragged
-// below) and 256-lane rows in two chunk buckets (<= 8192, <= 16384).
+// rows split over a cluster pair (8192 with row- and column-wise output, LayerNorm with beta or
+// RMSNorm with out: 33 and 2200 rows with byte-wise column stores, 4224 with 16-byte ones, both
+// with more groups than an H200 has clusters) and of column slices (other wide rows with
+// row-wise output, and RMSNorm's 8192 without out: 8208 whose last slice is 16 columns, 16384,
+// 6160 with more groups than blocks; column-wise output alone keeps 16 / 8-row groups);
+// 128-lane rows (whole 2048 and 4096, ragged below) and 256-lane rows in two chunk buckets
+// (<= 8192, <= 16384).
 const std::vector<Shape>& norm_shapes() {
-  static const std::vector<Shape> shapes = {{1, 16},     {3, 48},     {17, 1040},   {64, 2048},
-                                            {100, 3072}, {48, 4096},  {33, 8192},   {2200, 8192},
-                                            {32, 8208},  {20, 16384}, {4500, 6160}, {0, 64}};
+  static const std::vector<Shape> shapes = {
+      {1, 16},      {3, 48},      {17, 1040}, {64, 2048},  {100, 3072},  {48, 4096}, {33, 8192},
+      {2200, 8192}, {4224, 8192}, {32, 8208}, {20, 16384}, {4500, 6160}, {0, 64}};
   return shapes;
 }
 
@@ -253,6 +255,7 @@ std::vector<Case> cases_for(Shape s) {
     cases.push_back({s, norm, Fp8Format::kE4M3, col_only, 0.75f});
     cases.push_back({s, norm, Fp8Format::kE4M3, no_fp8, 1.0f});
     cases.push_back({s, norm, Fp8Format::kE4M3, fp8, 2.0f});
+    cases.push_back({s, norm, Fp8Format::kE5M2, fp8, {}});
     cases.push_back({s, norm, Fp8Format::kE4M3, all, {}});
     cases.push_back({s, norm, Fp8Format::kE5M2, col_only, {}});
   }

@@ -108,7 +108,7 @@ def as_bytes(t):
 
 @requires_gpu
 @pytest.mark.parametrize("shape", [(1, 16), (17, 1040), (100, 3072), (256, 4096), (33, 8192),
-                                   (2200, 8192), (20, 16384), (4500, 6160)])
+                                   (2200, 8192), (4224, 8192), (20, 16384), (4500, 6160)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("current", [False, True], ids=["delayed", "current"])

@@ -2,8 +2,8 @@
 //
 // A "team" of norm_lanes(hidden) threads (128 or 256) normalizes one row at a time, holding it
 // in registers as 8-element chunks (the reduction order of norm_cast.h follows from that
-// layout). A block has 1 to 8 teams, whichever keeps the most warps resident, and walks groups
-// of 8, 16 or 32 rows:
+// layout; split rows, below, keep it with half the lanes in each of two blocks). A block has 1 to 8
+// teams, whichever keeps the most warps resident, and walks groups of 8, 16 or 32 rows:
 //   1. each team normalizes its rows of the group and stores the high-precision row and the
 //      row-wise FP8 codes straight from registers (a warp: 512 / 256 contiguous bytes);
 //   2. with column-wise output, the FP8 codes also go to a [group][hidden] shared tile, and
@@ -102,9 +102,10 @@ struct Args {
   bool from_end;
 };
 
-// A place in the rows a team normalizes, in order: its block's groups blockIdx.x, + gridDim.x,
-// ... (counted from the last one when from_end), in each the rows team, team + teams, ... of the
-// group. Stepped rather than computed from a count: no division or shift per row.
+// A place in the rows a team normalizes, in order: its block's (split rows: its cluster's)
+// groups w, w + walkers, ... (counted from the last one when from_end), in each the rows team,
+// team + teams, ... of the group. Stepped rather than computed from a count: no division or
+// shift per row.
 struct Cursor {
   int64_t g;  // group, in walking order
   int step;   // the team's row of it
@@ -172,7 +173,9 @@ struct SplitSlots {
 // each warp's first lane waits until every slot of the set shows the tag and adds the partials
 // in warp order, the same order and so the same sum in both blocks. A team posts each sum after
 // collecting the one before, and sets alternate: a set is rewritten two sums on, once every
-// warp of both blocks posted the sum in between, which it did after collecting this one.
+// warp of both blocks posted the sum in between, which it did after collecting this one. (The
+// accesses are volatile, so relaxed: that order rests on each post depending on a poll's
+// result. Acquire / release forms were not measured.)
 // Waiting lanes sleep between looks: spinning took issue slots from the working warps
 // (LayerNorm 8192 +out 145.6 -> 129.8 us); mbarrier waits were slower than either.
 template <int kLanes>
@@ -403,7 +406,8 @@ __device__ __forceinline__ void write_row(const Row<T, kChunks>& row, int chunks
     if (out) {
       auto* dst = reinterpret_cast<uint4*>(out + at + k * kStride);
       // Evict-first: L2 keeps the FP8 codes that wide rows' column slices read back instead
-      // (LayerNorm 8192 with column-wise output and out 147 -> 137 us).
+      // (LayerNorm 8192 with column-wise output and out 147 -> 137 us; split rows read nothing
+      // back, and were measured with it).
 #pragma unroll
       for (int q = 0; q < Row<T, kChunks>::kVecs; ++q) {
         __stcs(dst + q, make_uint4(y[4 * q], y[4 * q + 1], y[4 * q + 2], y[4 * q + 3]));
@@ -558,6 +562,10 @@ __global__ void __launch_bounds__(Plan<T, kChunks, kLanes>::kMaxThreads)
   int rank = 0;  // in the cluster
   SplitSlots split{};
   if constexpr (kSplit > 1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    (void)slots;
+    __trap();  // no clusters before sm_90: the launcher finds none and never sends rows here
+#else
     namespace cg = cooperative_groups;
     const cg::cluster_group cluster = cg::this_cluster();
     rank = static_cast<int>(cluster.block_rank());
@@ -566,6 +574,7 @@ __global__ void __launch_bounds__(Plan<T, kChunks, kLanes>::kMaxThreads)
     }
     split = {slots[team], cluster.map_shared_rank(slots[team], rank ^ 1), 0, 0};
     cluster.sync();  // both blocks' slots cleared before either stores to the other's
+#endif
   }
   const int lane0 = rank * kLanes;
   const int own = kSplit > 1 ? static_cast<int>(split_columns(p.hidden, rank)) : 0;
@@ -634,7 +643,7 @@ __global__ void __launch_bounds__(Plan<T, kChunks, kLanes>::kMaxThreads)
     } else if constexpr (kSplit > 1) {
       Row<T, kChunks> row;
       read_row<kLanes>(stage, chunks, row);  // (waited for in post_sums)
-      copy(r_next);
+      copy(r_next);  // (its writes land a global load later than the reads just issued)
       const float mean = mean_ahead;
       const float rstd = norm_rstd(split_collect<kLanes>(split), p.hidden, p.eps);
       uint8_t* tile_row = tile + rows.tile_row(at) * a.tile_cols;  // (split rows have a tile)
@@ -662,7 +671,9 @@ __global__ void __launch_bounds__(Plan<T, kChunks, kLanes>::kMaxThreads)
   }
   // Neither block of a pair leaves while the other may still have a store to its shared memory
   // in flight (as distributed shared memory requires).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
   if constexpr (kSplit > 1) cooperative_groups::this_cluster().sync();
+#endif
 }
 
 // Teams per block and resident blocks per SM of an instance for a layout (bytes of the tile and
@@ -732,7 +743,8 @@ Residency residency(int fixed_bytes, int stage_bytes) {
         resident_clusters(kernel, kLanes * best.teams, fixed_bytes + best.teams * stage_bytes);
   }
   if (slot) {
-    slot->store(layout << 24 | uint64_t(best.clusters) << 16 | best.teams << 8 | best.blocks_per_sm,
+    slot->store(layout << 24 | static_cast<uint64_t>(best.clusters) << 16 | best.teams << 8 |
+                    best.blocks_per_sm,
                 std::memory_order_relaxed);
   }
   return best;
