@@ -687,16 +687,27 @@ struct Residency {
   int clusters = 0;
 };
 
+// A launch of split rows' kernels in clusters of two blocks: the configuration and the cluster
+// attribute it points at (so neither copies nor moves).
+struct PairLaunch {
+  cudaLaunchAttribute pair{};
+  cudaLaunchConfig_t config{};
+  PairLaunch(int grid, int threads, int smem, cudaStream_t stream) {
+    pair.id = cudaLaunchAttributeClusterDimension;
+    pair.val.clusterDim.x = 2, pair.val.clusterDim.y = 1, pair.val.clusterDim.z = 1;
+    config.gridDim = dim3(grid), config.blockDim = dim3(threads);
+    config.dynamicSmemBytes = smem, config.stream = stream;
+    config.attrs = &pair, config.numAttrs = 1;
+  }
+  PairLaunch(const PairLaunch&) = delete;
+  PairLaunch& operator=(const PairLaunch&) = delete;
+};
+
 template <typename Kernel>
 int resident_clusters(Kernel kernel, int threads, int smem) {
-  cudaLaunchAttribute pair{};
-  pair.id = cudaLaunchAttributeClusterDimension;
-  pair.val.clusterDim.x = 2, pair.val.clusterDim.y = 1, pair.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(2), config.blockDim = dim3(threads), config.dynamicSmemBytes = smem;
-  config.attrs = &pair, config.numAttrs = 1;
+  const PairLaunch launch(2, threads, smem, nullptr);
   int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, kernel, &config) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveClusters(&n, kernel, &launch.config) != cudaSuccess) {
     (void)cudaGetLastError();  // (not sticky) no clusters here: the caller slices instead
     n = 0;
   }
@@ -778,14 +789,9 @@ void launch_instance(const Args& a, int grid, int smem, cudaStream_t stream) {
   if constexpr (kSplit == 1) {
     kernel<<<grid, kLanes * a.teams, smem, stream>>>(a);
   } else {
-    cudaLaunchAttribute pair{};
-    pair.id = cudaLaunchAttributeClusterDimension;
-    pair.val.clusterDim.x = kSplit, pair.val.clusterDim.y = 1, pair.val.clusterDim.z = 1;
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(grid), config.blockDim = dim3(kLanes * a.teams);
-    config.dynamicSmemBytes = smem, config.stream = stream;
-    config.attrs = &pair, config.numAttrs = 1;
-    cudaLaunchKernelEx(&config, kernel, a);
+    static_assert(kSplit == 2, "split rows go to pairs of blocks");
+    const PairLaunch launch(grid, kLanes * a.teams, smem, stream);
+    cudaLaunchKernelEx(&launch.config, kernel, a);
   }
 }
 
