@@ -176,8 +176,9 @@ struct SplitSlots {
 // warp of both blocks posted the sum in between, which it did after collecting this one. (The
 // accesses are volatile, so relaxed: that order rests on each post depending on a poll's
 // result. Acquire / release forms were not measured.)
-// Waiting lanes sleep between looks: spinning took issue slots from the working warps
-// (LayerNorm 8192 +out 145.6 -> 129.8 us); mbarrier waits were slower than either.
+// kSleep: waiting lanes sleep between looks, for LayerNorm, where spinning took issue slots
+// from the working warps (8192 +out 145.6 -> 129.8 us); RMSNorm, not issue-bound, spins (122.8
+// against 124.2 us). mbarrier waits were slower than either.
 template <int kLanes>
 __device__ __forceinline__ void split_post(float s, SplitSlots& slots, int lane0) {
   constexpr int kWarps = 2 * kLanes / 32;
@@ -193,7 +194,7 @@ __device__ __forceinline__ void split_post(float s, SplitSlots& slots, int lane0
     *reinterpret_cast<volatile uint64_t*>(slots.remote + at) = tagged;
   }
 }
-template <int kLanes>
+template <int kLanes, bool kSleep>
 __device__ __forceinline__ float split_collect(SplitSlots& slots) {
   constexpr int kWarps = 2 * kLanes / 32;
   const uint32_t tag = ++slots.collected;
@@ -206,7 +207,7 @@ __device__ __forceinline__ float split_collect(SplitSlots& slots) {
       while (true) {
         v = *reinterpret_cast<volatile const uint64_t*>(set + w);
         if (static_cast<uint32_t>(v >> 32) == tag) break;
-        __nanosleep(64);
+        if (kSleep) __nanosleep(64);
       }
       const float part = __uint_as_float(static_cast<uint32_t>(v));
       total = w == 0 ? part : add_rn(total, part);
@@ -617,7 +618,7 @@ __global__ void __launch_bounds__(Plan<T, kChunks, kLanes>::kMaxThreads)
       split_post<kLanes>(s, split, lane0);
     }
     if (N == NormType::kLayerNorm && (k == kPostAt + 1 || k < 0)) {
-      mean_ahead = div_rn(split_collect<kLanes>(split), h);
+      mean_ahead = div_rn(split_collect<kLanes, N == NormType::kLayerNorm>(split), h);
       split_post<kLanes>(stage_sum<kLanes, T, kChunks>(
                              stage, chunks, [&](float x) { return norm_square(x, mean_ahead, N); }),
                          split, lane0);
@@ -645,7 +646,8 @@ __global__ void __launch_bounds__(Plan<T, kChunks, kLanes>::kMaxThreads)
       read_row<kLanes>(stage, chunks, row);  // (waited for in post_sums)
       copy(r_next);  // (its writes land a global load later than the reads just issued)
       const float mean = mean_ahead;
-      const float rstd = norm_rstd(split_collect<kLanes>(split), p.hidden, p.eps);
+      const float rstd =
+          norm_rstd(split_collect<kLanes, N == NormType::kLayerNorm>(split), p.hidden, p.eps);
       uint8_t* tile_row = tile + rows.tile_row(at) * a.tile_cols;  // (split rows have a tile)
       write_row<F, N, kLanes, kSplit, kStaged>(row, chunks, r, a, scale, lane0, mean, rstd, amax,
                                                tile_row, [&](int k) { post_sums(r_next, k); });
