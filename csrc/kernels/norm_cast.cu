@@ -774,10 +774,10 @@ constexpr bool kMayStage =
 
 // Rows split over a cluster pair: 8192 wide with row- and column-wise output, where the split
 // measured faster than reading column slices back (bf16 on the H200, us): LayerNorm row+col
-// 120.7 -> 115.1, +out 137.5 -> 129.8; RMSNorm +out 131.4 -> 124.2, but row+col 90.5 -> 98.8,
-// whose shorter chunks hide less of the partner's latency. Only whole rows (ragged ones
-// spilled) of 16-bit input (fp32's spilled and were not measured), and LayerNorm with beta
-// (staged; without, it spilled).
+// 120.7 -> 115.1, +out 137.5 -> 129.8; RMSNorm +out 131.4 -> 122.8 (its waits spinning), but
+// row+col 90.5 -> 98.8 at best, whose shorter chunks hide less of the partner's latency. Only whole
+// rows (ragged ones spilled) of 16-bit input (fp32's spilled and were not measured), and LayerNorm
+// with beta (staged; without, it spilled).
 inline bool split_rows(const Args& a) {
   const NormCastParams& p = a.p;
   return p.hidden == kSplitHidden && p.columnwise && p.rowwise && !a.amax_only &&
