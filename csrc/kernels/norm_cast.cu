@@ -136,16 +136,22 @@ __device__ __forceinline__ void team_sync(int team) {
   asm volatile("bar.sync %0, %1;" ::"r"(team + 1), "r"(kLanes) : "memory");
 }
 
+// Sum of a warp's lane partials in norm_cast.h's butterfly order, the same in every lane.
+__device__ __forceinline__ float warp_sum(float s) {
+#pragma unroll
+  for (int offset = 16; offset >= 1; offset /= 2) {
+    s = add_rn(s, __shfl_xor_sync(0xFFFFFFFFu, s, offset));
+  }
+  return s;
+}
+
 // Sum of the team's lane partials in norm_cast.h's order, the same in every lane. `buf` holds
 // two slots that consecutive reductions alternate, so one barrier per reduction suffices: a
 // slot is rewritten only after every lane passed the next reduction's barrier.
 template <int kLanes>
 __device__ __forceinline__ float team_sum(float s, float (*buf)[kLanes / 32], int& parity,
                                           int team) {
-#pragma unroll
-  for (int offset = 16; offset >= 1; offset /= 2) {
-    s = add_rn(s, __shfl_xor_sync(0xFFFFFFFFu, s, offset));
-  }
+  s = warp_sum(s);
   const int lane = threadIdx.x % kLanes;
   float* slot = buf[parity];
   parity ^= 1;
@@ -182,10 +188,7 @@ struct SplitSlots {
 template <int kLanes>
 __device__ __forceinline__ void split_post(float s, SplitSlots& slots, int lane0) {
   constexpr int kWarps = 2 * kLanes / 32;
-#pragma unroll
-  for (int offset = 16; offset >= 1; offset /= 2) {
-    s = add_rn(s, __shfl_xor_sync(0xFFFFFFFFu, s, offset));
-  }
+  s = warp_sum(s);
   const uint32_t tag = ++slots.posted;
   if (threadIdx.x % 32 == 0) {
     const uint64_t tagged = uint64_t{tag} << 32 | __float_as_uint(s);
@@ -270,16 +273,21 @@ __device__ __forceinline__ void read_row(const uint4* stage, int chunks, Row<T, 
   }
 }
 
+// s + f(x) over a chunk's 8 elements in order.
+template <typename T, size_t kWords, typename F>
+__device__ __forceinline__ float chunk_sum(float s, const uint32_t (&w)[kWords], F&& f) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) s = add_rn(s, f(device::element<T>(w, j)));
+  return s;
+}
+
 // Sums f(x) over the lane's elements in order (norm_cast.h: chunks ascending, then within).
 template <typename T, int kChunks, typename F>
 __device__ __forceinline__ float lane_sum(const Row<T, kChunks>& row, int chunks, F&& f) {
   float s = 0.0f;
 #pragma unroll
   for (int k = 0; k < kChunks; ++k) {
-    if (k < chunks) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) s = add_rn(s, f(device::element<T>(row.w[k], j)));
-    }
+    if (k < chunks) s = chunk_sum<T>(s, row.w[k], f);
   }
   return s;
 }
@@ -301,8 +309,7 @@ __device__ __forceinline__ float stage_sum(const uint4* stage, int chunks, F&& f
     if (k < chunks) {
       uint32_t w[Row<T, kChunks>::kWords];
       read_chunk<kLanes, T, kChunks>(stage, k, w);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) s = add_rn(s, f(device::element<T>(w, j)));
+      s = chunk_sum<T>(s, w, f);
     }
   }
   return s;
@@ -606,6 +613,7 @@ __global__ void __launch_bounds__(Plan<T, kChunks, kLanes>::kMaxThreads)
   // previous row (its stage copy had chunks 0 and 1 to land), LayerNorm's second after chunk
   // kPostAt + 1, once the mean is collected (the mean after chunk 0 was no faster).
   constexpr int kPostAt = kChunks / 2 - 1;
+  constexpr bool kSleep = N == NormType::kLayerNorm;  // (split_collect says why)
   float mean_ahead = 0.0f;  // (split LayerNorm) the mean of the row in the stage
   // Row r's sums due after chunk k of the row before; k < 0: all of them now (no row before).
   auto post_sums = [&](int64_t r, int k) {
@@ -618,7 +626,7 @@ __global__ void __launch_bounds__(Plan<T, kChunks, kLanes>::kMaxThreads)
       split_post<kLanes>(s, split, lane0);
     }
     if (N == NormType::kLayerNorm && (k == kPostAt + 1 || k < 0)) {
-      mean_ahead = div_rn(split_collect<kLanes, N == NormType::kLayerNorm>(split), h);
+      mean_ahead = div_rn(split_collect<kLanes, kSleep>(split), h);
       split_post<kLanes>(stage_sum<kLanes, T, kChunks>(
                              stage, chunks, [&](float x) { return norm_square(x, mean_ahead, N); }),
                          split, lane0);
@@ -646,8 +654,7 @@ __global__ void __launch_bounds__(Plan<T, kChunks, kLanes>::kMaxThreads)
       read_row<kLanes>(stage, chunks, row);  // (waited for in post_sums)
       copy(r_next);  // (its writes land a global load later than the reads just issued)
       const float mean = mean_ahead;
-      const float rstd =
-          norm_rstd(split_collect<kLanes, N == NormType::kLayerNorm>(split), p.hidden, p.eps);
+      const float rstd = norm_rstd(split_collect<kLanes, kSleep>(split), p.hidden, p.eps);
       uint8_t* tile_row = tile + rows.tile_row(at) * a.tile_cols;  // (split rows have a tile)
       write_row<F, N, kLanes, kSplit, kStaged>(row, chunks, r, a, scale, lane0, mean, rstd, amax,
                                                tile_row, [&](int k) { post_sums(r_next, k); });
