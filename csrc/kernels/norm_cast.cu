@@ -94,7 +94,7 @@ struct Args {
   int tile_bytes;       // shared FP8 tile (0: none), then gamma and beta, then a stage per team
   int param_bytes;      // gamma (and beta) in shared memory (0: read from global memory)
   int tile_cols;        // columns of the tile: hidden, a slice of it, or a split block's own
-  int param_cols;       // columns of staged gamma (and beta): hidden, or a split block's own
+  int param_cols;       // floats of staged gamma (and beta): staged_param_cols of own columns
   int walkers;          // blocks (split: clusters) walking the groups
   bool split;           // rows split over a cluster pair (kSplit 2)
   bool columnwise_vec;  // 16-byte (8-row groups: 8-byte) column-wise stores
@@ -315,23 +315,37 @@ __device__ __forceinline__ float stage_sum(const uint4* stage, int chunks, F&& f
   return s;
 }
 
+// Staged gamma and beta (each param_cols floats) are float4s in [chunk][half][lane] order: the
+// float4 of tile column t (t % 4 == 0) for kLanes lanes. A warp's loads of a half chunk then read
+// 512 contiguous bytes; in the row's order (a lane's 8 floats together), lanes 4 apart shared a
+// bank: two wavefronts a quarter warp, for most of LayerNorm's shared-memory reads (LayerNorm
+// row+col on the H200, us: 8192 114.7 -> 111.5, 4096 54.3 -> 51.3; +out, DRAM-bound, unchanged).
+template <int kLanes>
+__device__ __forceinline__ int staged_float4(int t) {
+  return (t / (kLanes * 8) * 2 + t / 4 % 2) * kLanes + t / 8 % kLanes;
+}
+// The floats staged_float4 needs per parameter: own columns rounded up to whole chunks.
+inline int staged_param_cols(int64_t own, int lanes) {
+  return static_cast<int>((own + lanes * 8 - 1) / (lanes * 8) * (lanes * 8));
+}
+
 // gamma's (which 0) or beta's (1) eight values from row column c8 on (column t8 of the
 // block's own): from the block's copy in shared memory (kStaged instances), else from global
 // memory. An instance per kind: one generic load for both ran 0.5-5 % slower, and a branch
 // between the two made LayerNorm spill. Plain global loads, not the read-only path (__ldg): as
 // fast or faster (LayerNorm 8192 6 %), and __ldg spilled fp32 LayerNorm 4096.
-template <bool kStaged>
+template <bool kStaged, int kLanes>
 __device__ __forceinline__ void load_param8(const Args& a, int which, int c8, int t8,
                                             float (&dst)[8]) {
   const float4* src;  // (one expression for both made fp32 LayerNorm at 4096 spill)
   if constexpr (kStaged) {
     extern __shared__ uint4 smem[];
     src = reinterpret_cast<const float4*>(reinterpret_cast<const uint8_t*>(smem) + a.tile_bytes) +
-          (which * a.param_cols + t8) / 4;
+          which * a.param_cols / 4 + staged_float4<kLanes>(t8);
   } else {
     src = reinterpret_cast<const float4*>((which ? a.p.beta : a.p.gamma) + c8);
   }
-  const float4 lo = src[0], hi = src[1];
+  const float4 lo = src[0], hi = src[kStaged ? kLanes : 1];
   dst[0] = lo.x, dst[1] = lo.y, dst[2] = lo.z, dst[3] = lo.w;
   dst[4] = hi.x, dst[5] = hi.y, dst[6] = hi.z, dst[7] = hi.w;
 }
@@ -340,14 +354,16 @@ __device__ __forceinline__ void load_param8(const Args& a, int which, int c8, in
 // global memory, a row of LayerNorm at hidden 4096 asks L1 for 32 KB beside its 8 KB of input,
 // more than L1 keeps beside the tile.
 // A split block copies its own columns (row_column), `own` of them.
+template <int kLanes>
 __device__ void stage_params(const Args& a, int lane0, int own) {
   extern __shared__ uint4 smem[];
   auto* dst = reinterpret_cast<float4*>(reinterpret_cast<uint8_t*>(smem) + a.tile_bytes);
   const int n = a.param_cols / 4;
   for (int i = threadIdx.x; i < own / 4; i += blockDim.x) {
     const int64_t c4 = row_column(a, lane0, 4 * i) / 4;
-    dst[i] = __ldg(reinterpret_cast<const float4*>(a.p.gamma) + c4);
-    if (a.p.beta) dst[n + i] = __ldg(reinterpret_cast<const float4*>(a.p.beta) + c4);
+    const int at = staged_float4<kLanes>(4 * i);
+    dst[at] = __ldg(reinterpret_cast<const float4*>(a.p.gamma) + c4);
+    if (a.p.beta) dst[n + at] = __ldg(reinterpret_cast<const float4*>(a.p.beta) + c4);
   }
 }
 
@@ -402,8 +418,8 @@ __device__ __forceinline__ void write_row(const Row<T, kChunks>& row, int chunks
     const int c8 = row_lane * 8 + k * kStride;  // the chunk's first column
     const int t8 = lane * 8 + k * kOwnStride;   // ... of the block's own (its tile's)
     float gs[8], bs[8] = {};
-    load_param8<kStaged>(a, 0, c8, t8, gs);
-    if (N == NormType::kLayerNorm && p.beta) load_param8<kStaged>(a, 1, c8, t8, bs);
+    load_param8<kStaged, kLanes>(a, 0, c8, t8, gs);
+    if (N == NormType::kLayerNorm && p.beta) load_param8<kStaged, kLanes>(a, 1, c8, t8, bs);
     float f[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -636,7 +652,7 @@ __global__ void __launch_bounds__(Plan<T, kChunks, kLanes>::kMaxThreads)
   int64_t r = rows.row(at);
   copy(r);
   if constexpr (kStaged) {
-    stage_params(a, lane0, kSplit > 1 ? own : static_cast<int>(p.hidden));
+    stage_params<kLanes>(a, lane0, kSplit > 1 ? own : static_cast<int>(p.hidden));
     __syncthreads();
   }
   if constexpr (kSplit > 1) post_sums(r, -1);
@@ -822,7 +838,7 @@ bool launch(Args a, cudaStream_t stream) {
   a.group_rows = !columnwise ? 16 : fits >= 32 || sliced ? 32 : fits >= 16 ? 16 : 8;
   const int64_t own = a.split ? split_columns(p.hidden, 0) : p.hidden;  // columns of a block
   a.tile_cols = static_cast<int>(sliced && !a.split ? kMaxTileBytes / 32 : own);
-  a.param_cols = static_cast<int>(own);
+  a.param_cols = staged_param_cols(own, kLanes);
   const int block_rows = std::min(a.group_rows, 16);
   a.columnwise_vec = p.rows % block_rows == 0 && device::aligned(p.columnwise, block_rows);
   a.tile_bytes = columnwise ? a.group_rows * a.tile_cols : 0;
@@ -830,7 +846,7 @@ bool launch(Args a, cudaStream_t stream) {
   // gamma and beta go to shared memory when a tile leaves L1 too small for them (LayerNorm at
   // 4096: 61 against 69 us; smaller ones lost 2-7 % there, in L1 already) and they leave as
   // many warps resident as without.
-  const int param_bytes = static_cast<int>(own * sizeof(float)) * (p.beta ? 2 : 1);
+  const int param_bytes = a.param_cols * static_cast<int>(sizeof(float)) * (p.beta ? 2 : 1);
   // Split LayerNorm rows (with beta: split_rows) always stage them; their unstaged instances
   // spilled, and are not built.
   constexpr bool kStagedOnly = kSplit > 1 && N == NormType::kLayerNorm;
