@@ -318,8 +318,8 @@ __device__ __forceinline__ float stage_sum(const uint4* stage, int chunks, F&& f
 // Staged gamma and beta (each param_cols floats) are float4s in [chunk][half][lane] order: the
 // float4 of tile column t (t % 4 == 0) for kLanes lanes. A warp's loads of a half chunk then read
 // 512 contiguous bytes; in the row's order (a lane's 8 floats together), lanes 4 apart shared a
-// bank: two wavefronts a quarter warp, for most of LayerNorm's shared-memory reads (LayerNorm
-// row+col on the H200, us: 8192 114.7 -> 111.5, 4096 54.3 -> 51.3; +out, DRAM-bound, unchanged).
+// bank: two wavefronts a quarter warp, by count most of LayerNorm's shared-memory wavefronts
+// (LayerNorm row+col on the H200, us: 8192 114.7 -> 111.5, 4096 54.3 -> 51.3; +out unchanged).
 template <int kLanes>
 __device__ __forceinline__ int staged_float4(int t) {
   return (t / (kLanes * 8) * 2 + t / 4 % 2) * kLanes + t / 8 % kLanes;
