@@ -164,13 +164,13 @@ __device__ __forceinline__ float team_sum(float s, float (*buf)[kLanes / 32], in
 }
 
 // A split team's view of its warp partials' slots (kSplit 2): two sets of one 64-bit slot per
-// warp of the whole row, in this block's shared memory and (`remote`) its partner's; and the
-// team's count of the sums it posted and collected (each sum's tag: its count, from 1).
+// warp of the whole row, in this block's shared memory (`local`) and its partner's (`remote`),
+// as 32-bit shared-window addresses (the split LayerNorm kernels spilled with generic pointers);
+// and the team's count of the sums it posted (each sum's tag: its count, from 1).
 struct SplitSlots {
-  uint64_t* local;
-  uint64_t* remote;
+  uint32_t local;
+  uint32_t remote;
   uint32_t posted;
-  uint32_t collected;
 };
 
 // team_sum for a row split over a cluster pair, in two steps, so that work can go between them.
@@ -178,10 +178,10 @@ struct SplitSlots {
 // both blocks (one 64-bit store: a reader sees the partial and its tag together). split_collect:
 // each warp's first lane waits until every slot of the set shows the tag and adds the partials
 // in warp order, the same order and so the same sum in both blocks. A team posts each sum after
-// collecting the one before, and sets alternate: a set is rewritten two sums on, once every
-// warp of both blocks posted the sum in between, which it did after collecting this one. (The
-// accesses are volatile, so relaxed: that order rests on each post depending on a poll's
-// result. Acquire / release forms were not measured.)
+// collecting the one before (so it collects the sum it posted last), and sets alternate: a set
+// is rewritten two sums on, once every warp of both blocks posted the sum in between, which it
+// did after collecting this one. (The accesses are volatile, so relaxed: that order rests on
+// each post depending on a poll's result. Acquire / release forms were not measured.)
 // kSleep: waiting lanes sleep between looks, for LayerNorm, where spinning took issue slots
 // from the working warps (8192 +out 145.6 -> 129.8 us); RMSNorm, not issue-bound, spins (122.8
 // against 124.2 us). mbarrier waits were slower than either.
@@ -193,22 +193,27 @@ __device__ __forceinline__ void split_post(float s, SplitSlots& slots, int lane0
   if (threadIdx.x % 32 == 0) {
     const uint64_t tagged = uint64_t{tag} << 32 | __float_as_uint(s);
     const int at = (tag & 1) * kWarps + (lane0 + static_cast<int>(threadIdx.x) % kLanes) / 32;
-    *reinterpret_cast<volatile uint64_t*>(slots.local + at) = tagged;
-    *reinterpret_cast<volatile uint64_t*>(slots.remote + at) = tagged;
+    asm volatile("st.volatile.shared.u64 [%0], %1;" ::"r"(slots.local + at * 8), "l"(tagged)
+                 : "memory");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // (no clusters before: never launched)
+    asm volatile("st.volatile.shared::cluster.u64 [%0], %1;" ::"r"(slots.remote + at * 8),
+                 "l"(tagged)
+                 : "memory");
+#endif
   }
 }
 template <int kLanes, bool kSleep>
 __device__ __forceinline__ float split_collect(SplitSlots& slots) {
   constexpr int kWarps = 2 * kLanes / 32;
-  const uint32_t tag = ++slots.collected;
+  const uint32_t tag = slots.posted;
   float total = 0.0f;
   if (threadIdx.x % 32 == 0) {
-    const uint64_t* set = slots.local + (tag & 1) * kWarps;
+    const uint32_t set = slots.local + (tag & 1) * kWarps * 8;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
       uint64_t v;
       while (true) {
-        v = *reinterpret_cast<volatile const uint64_t*>(set + w);
+        asm volatile("ld.volatile.shared.u64 %0, [%1];" : "=l"(v) : "r"(set + w * 8) : "memory");
         if (static_cast<uint32_t>(v >> 32) == tag) break;
         if (kSleep) __nanosleep(64);
       }
@@ -273,15 +278,15 @@ __device__ __forceinline__ void read_row(const uint4* stage, int chunks, Row<T, 
   }
 }
 
-// s + f(x) over a chunk's 8 elements in order.
+// A chunk's 8 elements x folded in order into the partial s as s = add(s, x).
 template <typename T, size_t kWords, typename F>
-__device__ __forceinline__ float chunk_sum(float s, const uint32_t (&w)[kWords], F&& f) {
+__device__ __forceinline__ float chunk_sum(float s, const uint32_t (&w)[kWords], F&& add) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j) s = add_rn(s, f(device::element<T>(w, j)));
+  for (int j = 0; j < 8; ++j) s = add(s, device::element<T>(w, j));
   return s;
 }
 
-// Sums f(x) over the lane's elements in order (norm_cast.h: chunks ascending, then within).
+// The lane's partial: its elements folded in order (norm_cast.h: chunks ascending, then within).
 template <typename T, int kChunks, typename F>
 __device__ __forceinline__ float lane_sum(const Row<T, kChunks>& row, int chunks, F&& f) {
   float s = 0.0f;
@@ -464,11 +469,12 @@ __device__ __forceinline__ void norm_row(const Row<T, kChunks>& row, int chunks,
   const int64_t h = a.p.hidden;
   float mean = 0.0f;
   if constexpr (N == NormType::kLayerNorm) {
-    const float sum = lane_sum(row, chunks, [](float x) { return x; });
+    const float sum = lane_sum(row, chunks, [](float s, float x) { return add_rn(s, x); });
     mean = div_rn(reduce(sum), static_cast<float>(h));
     row_read();
   }
-  const float sum_sq = lane_sum(row, chunks, [&](float x) { return norm_square(x, mean, N); });
+  const float sum_sq =
+      lane_sum(row, chunks, [&](float s, float x) { return norm_square_add(s, x, mean, N); });
   const float rstd = norm_rstd(reduce(sum_sq), h, a.p.eps);
   if constexpr (N == NormType::kRMSNorm) row_read();
   write_row<F, N, kLanes, 1, kStaged>(row, chunks, r, a, scale, 0, mean, rstd, amax, tile_row,
@@ -596,7 +602,10 @@ __global__ void __launch_bounds__(Plan<T, kChunks, kLanes>::kMaxThreads)
     for (int i = threadIdx.x; i < P::kMaxTeams * 2 * kRowLanes / 32; i += blockDim.x) {
       (&slots[0][0])[i] = 0;
     }
-    split = {slots[team], cluster.map_shared_rank(slots[team], rank ^ 1), 0, 0};
+    split.local = static_cast<uint32_t>(__cvta_generic_to_shared(slots[team]));
+    asm("mapa.shared::cluster.u32 %0, %1, %2;"
+        : "=r"(split.remote)
+        : "r"(split.local), "r"(rank ^ 1));
     cluster.sync();  // both blocks' slots cleared before either stores to the other's
 #endif
   }
@@ -637,15 +646,18 @@ __global__ void __launch_bounds__(Plan<T, kChunks, kLanes>::kMaxThreads)
     const float h = static_cast<float>(p.hidden);
     if (k == kPostAt || k < 0) {
       wait_copies();
-      const float s = stage_sum<kLanes, T, kChunks>(
-          stage, chunks, [](float x) { return N == NormType::kLayerNorm ? x : mul_rn(x, x); });
+      const float s = stage_sum<kLanes, T, kChunks>(stage, chunks, [](float part, float x) {
+        return N == NormType::kLayerNorm ? add_rn(part, x) : norm_square_add(part, x, 0.0f, N);
+      });
       split_post<kLanes>(s, split, lane0);
     }
     if (N == NormType::kLayerNorm && (k == kPostAt + 1 || k < 0)) {
       mean_ahead = div_rn(split_collect<kLanes, kSleep>(split), h);
-      split_post<kLanes>(stage_sum<kLanes, T, kChunks>(
-                             stage, chunks, [&](float x) { return norm_square(x, mean_ahead, N); }),
-                         split, lane0);
+      split_post<kLanes>(
+          stage_sum<kLanes, T, kChunks>(
+              stage, chunks,
+              [&](float s, float x) { return norm_square_add(s, x, mean_ahead, N); }),
+          split, lane0);
     }
   };
   Cursor at{blockIdx.x / kSplit, 0};

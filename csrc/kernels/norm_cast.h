@@ -5,10 +5,11 @@
 // The reduction order is part of the op's definition, so the CUDA kernel and the CPU reference
 // give the same bytes (mean, rstd, every output):
 //   - a row is split into 8-element chunks; lane l of L = norm_lanes(hidden) owns chunks l,
-//     l + L, ... and adds its elements in order into an fp32 partial starting at +0;
+//     l + L, ... and adds its elements' terms in order into an fp32 partial starting at +0;
 //   - the lanes' partials reduce as warps of 32 (butterfly: lane i += lane i ^ 16, ^8, ^4, ^2,
 //     ^1), then the L / 32 warp sums are added in warp order;
-//   - every operation is one IEEE fp32 operation rounded to nearest (no FMA, no rsqrt).
+//   - every operation is one IEEE fp32 operation rounded to nearest (no rsqrt); the square
+//     terms are fused into their partial (fma) and so is LayerNorm's beta (norm_apply).
 // LayerNorm is two-pass over the row (held in registers): mean, then the centered variance.
 #pragma once
 
@@ -34,21 +35,21 @@ constexpr int64_t kNormMaxHidden = int64_t{kNormLanes} * kNormMaxChunks * 8;
 // as many as with 256; 256 for wider rows, which 128 lanes could not hold in registers.
 TPFP8_HD constexpr int norm_lanes(int64_t hidden) { return hidden <= 4096 ? 128 : kNormLanes; }
 
-// The term a row's second reduction sums: (x - mean)^2 for LayerNorm, x^2 for RMSNorm (whose
-// "mean" is 0 by convention).
-TPFP8_HD float norm_square(float x, float mean, NormType n) {
+// A lane's partial s of the row's second reduction plus x's term, fused: (x - mean)^2 for
+// LayerNorm, x^2 for RMSNorm (whose "mean" is 0 by convention).
+TPFP8_HD float norm_square_add(float s, float x, float mean, NormType n) {
   const float d = n == NormType::kLayerNorm ? sub_rn(x, mean) : x;
-  return mul_rn(d, d);
+  return fma_rn(d, d, s);
 }
 // 1 / sqrt(sum_sq / hidden + eps).
 TPFP8_HD float norm_rstd(float sum_sq, int64_t hidden, float eps) {
   return div_rn(1.0f, sqrt_rn(add_rn(div_rn(sum_sq, static_cast<float>(hidden)), eps)));
 }
-// y = (x - mean) * rstd * gamma + beta (LayerNorm), x * rstd * gamma (RMSNorm), left to right.
+// y = (x - mean) * rstd * gamma + beta (LayerNorm; the last two fused), x * rstd * gamma
+// (RMSNorm), left to right.
 TPFP8_HD float norm_apply(float x, float mean, float rstd, float gamma, float beta, NormType n) {
-  const float centered = n == NormType::kLayerNorm ? sub_rn(x, mean) : x;
-  const float y = mul_rn(mul_rn(centered, rstd), gamma);
-  return n == NormType::kLayerNorm ? add_rn(y, beta) : y;
+  if (n == NormType::kRMSNorm) return mul_rn(mul_rn(x, rstd), gamma);
+  return fma_rn(mul_rn(sub_rn(x, mean), rstd), gamma, beta);
 }
 
 // One fused norm over a [rows, hidden] tensor (hidden % 16 == 0, hidden <= kNormMaxHidden).

@@ -8,15 +8,16 @@
 namespace tpfp8 {
 namespace {
 
-// Sum of f(c) over a row's columns in the order norm_cast.h defines.
-template <typename F>
-float tree_sum(int64_t hidden, F&& f) {
+// The row's sum in the order norm_cast.h defines: each lane folds its columns c into its
+// partial s as add(s, c) does, then the lanes' partials add up.
+template <typename Add>
+float tree_sum(int64_t hidden, Add&& add) {
   const int n = norm_lanes(hidden);
   float lanes[kNormLanes];
   for (int l = 0; l < n; ++l) {
     float s = 0.0f;
     for (int64_t c0 = int64_t{l} * 8; c0 < hidden; c0 += int64_t{n} * 8) {
-      for (int j = 0; j < 8; ++j) s = add_rn(s, f(c0 + j));
+      for (int j = 0; j < 8; ++j) s = add(s, c0 + j);
     }
     lanes[l] = s;
   }
@@ -41,13 +42,15 @@ void norm_typed(const NormCastParams& p, bool amax_only) {
   uint32_t amax = 0;
   for (int64_t r = 0; r < p.rows; ++r) {
     for (int64_t c = 0; c < p.hidden; ++c) x[c] = to_float(in[r * p.hidden + c]);
-    const float mean = p.norm == NormType::kLayerNorm
-                           ? div_rn(tree_sum(p.hidden, [&](int64_t c) { return x[c]; }),
-                                    static_cast<float>(p.hidden))
-                           : 0.0f;
-    const float rstd =
-        norm_rstd(tree_sum(p.hidden, [&](int64_t c) { return norm_square(x[c], mean, p.norm); }),
-                  p.hidden, p.eps);
+    const float mean =
+        p.norm == NormType::kLayerNorm
+            ? div_rn(tree_sum(p.hidden, [&](float s, int64_t c) { return add_rn(s, x[c]); }),
+                     static_cast<float>(p.hidden))
+            : 0.0f;
+    const float rstd = norm_rstd(
+        tree_sum(p.hidden,
+                 [&](float s, int64_t c) { return norm_square_add(s, x[c], mean, p.norm); }),
+        p.hidden, p.eps);
     for (int64_t c = 0; c < p.hidden; ++c) {
       const T y = from_float<T>(
           norm_apply(x[c], mean, rstd, p.gamma[c], p.beta ? p.beta[c] : 0.0f, p.norm));
