@@ -6,7 +6,7 @@
 //   nvcc $F -o /tmp/kernel_time bench/kernel_time.cu $K/norm_cast.cu $K/norm_backward.cu \
 //     $K/activation_cast.cu $K/cast.cu $K/cast_transpose.cu $K/norm_cast_cpu.cpp \
 //     $K/norm_backward_cpu.cpp $K/activation_cast_cpu.cpp $K/cast_cpu.cpp
-//   /tmp/kernel_time [all|copy|cast|norm|normbwd|act]   # ONCE=1: one launch each (for ncu)
+//   /tmp/kernel_time [all|copy|probe|cast|norm|normbwd|act]   # ONCE=1: one launch each (ncu)
 // Inputs are uniform in [-2, 2) bf16; the scale is 1 (delayed scaling). GB/s counts the bytes
 // each kernel must move (bf16 in, FP8 out).
 #include <cuda_runtime.h>
@@ -19,6 +19,7 @@
 
 #include "kernels/activation_cast.h"
 #include "kernels/cast.h"
+#include "kernels/cast_device.cuh"
 #include "kernels/norm_backward.h"
 #include "kernels/norm_cast.h"
 
@@ -81,6 +82,146 @@ void time_copy(const Buffers& b) {
     const size_t bytes = mb << 20;  // moved: half read, half written
     const float us = time_us([&] { cudaMemcpyAsync(b.out, b.x, bytes / 2, cudaMemcpyDefault); });
     printf("copy %zu MB moved: %.1f us, %.0f GB/s\n", mb, us, bytes / us / 1e3);
+  }
+}
+
+// Bandwidth probes: norm_cast's traffic at [rows, cols] with no arithmetic, the ceiling of each
+// of its forms. Each reads bf16 once and writes a byte per element row-wise, optionally the bf16
+// copy (kOut) and a byte per element column-wise (kCol) through a shared tile of kGroup rows,
+// stored 16 rows x 4 columns per thread as norm_cast stores its tiles (16-byte stores; a
+// column's kGroup bytes from adjacent threads). Two walks:
+//   free:   many 16 KB tiles per SM, each block on its own;
+//   phased: norm_cast's phases, a 128 KB tile per SM: a block loads a group's rows and writes
+//           them row-wise, then after a barrier stores its tile column-wise, every SM at about
+//           the same time (norm_cast at hidden 8192: groups of 32 rows of 4096 columns).
+
+// A loaded segment's 8 "codes" (its elements' high bytes).
+__device__ __forceinline__ uint2 probe_codes(uint4 a) {
+  return make_uint2(__byte_perm(a.x, a.y, 0x7531), __byte_perm(a.z, a.w, 0x7531));
+}
+
+// Stores the column-wise item of columns 4w.. and rows 16b.. of a tile group (rows r0..) whose
+// row r's word w is at word(r, w).
+template <typename Word>
+__device__ __forceinline__ void probe_store_item(Word&& word, int w, int b, int r0, int v0,
+                                                 uint8_t* col, int rows) {
+  uint32_t c[4][4];  // [4-row block][column]
+  for (int j = 0; j < 4; ++j) {
+    const int r = 16 * b + 4 * j;
+    const uint32_t q[4] = {word(r, w), word(r + 1, w), word(r + 2, w), word(r + 3, w)};
+    device::transpose4x4(q, c[j]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const size_t column = size_t(v0) * 8 + 4 * w + k;
+    *reinterpret_cast<uint4*>(col + column * rows + r0 + 16 * b) =
+        make_uint4(c[0][k], c[1][k], c[2][k], c[3][k]);
+  }
+}
+
+// Tiles of kGroup rows x kCols columns: block t's tile group is t / (cols / kCols), its slice
+// t % (cols / kCols); tiles of 16 KB (free) or 128 KB (phased, a block of 1024 per SM).
+template <bool kOut, bool kCol, int kGroup, bool kPhased>
+__global__ void __launch_bounds__(kPhased ? 1024 : 256, kPhased ? 1 : 2)
+    probe_kernel(const uint4* x, uint4* out, uint2* row, uint8_t* col, int rows, int cols) {
+  constexpr int kCols = (kPhased ? 128 << 10 : 16 << 10) / kGroup, kWords = kCols / 4;
+  extern __shared__ uint32_t tile[];  // [kGroup][kWords], words XOR-swizzled by 16-row block
+  const auto at_word = [](int r, int word) { return r * kWords + (word ^ (r / 16 % 8 * 4)); };
+  const int slices = cols / kCols, vecs = cols / 8, groups = rows / kGroup;
+  const int walkers = gridDim.x / slices;
+  if (blockIdx.x >= walkers * slices) return;  // (a walker's slices are whole)
+  for (int t = blockIdx.x; t < groups * slices; t += walkers * slices) {
+    const int r0 = t / slices * kGroup, v0 = t % slices * kCols / 8;
+#pragma unroll 4
+    for (int i = threadIdx.x; i < kGroup * kCols / 8; i += blockDim.x) {
+      const int r = i / (kCols / 8), v = i % (kCols / 8);
+      const size_t at = size_t(r0 + r) * vecs + v0 + v;
+      const uint4 a = x[at];
+      if (kOut) out[at] = a;
+      row[at] = probe_codes(a);
+      if (kCol) *reinterpret_cast<uint2*>(&tile[at_word(r, 2 * v)]) = probe_codes(a);
+    }
+    if (!kCol) continue;
+    __syncthreads();
+    for (int item = threadIdx.x; item < kWords * kGroup / 16; item += blockDim.x) {
+      probe_store_item([&](int r, int w) { return tile[at_word(r, w)]; }, item / (kGroup / 16),
+                       item % (kGroup / 16), r0, v0, col, rows);
+    }
+    __syncthreads();
+  }
+}
+
+// A kernel of 1024 threads and `smem` bytes launched in clusters of `size`: how many clusters
+// fit the GPU at once (norm_cast's split rows use pairs; 4 would let a block hold 64 rows).
+__global__ void __launch_bounds__(1024, 1) cluster_probe() {}
+int resident_clusters(int size, int smem) {
+  cudaFuncSetAttribute(cluster_probe, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = size, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(size), config.blockDim = dim3(1024), config.dynamicSmemBytes = smem;
+  config.attrs = &attr, config.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, cluster_probe, &config) != cudaSuccess) n = -1;
+  return n;
+}
+
+// The probes beside a device-to-device copy of as many bytes, at norm_cast's 8192 x 8192 forms,
+// with column-wise groups of 32 rows (norm_cast's), 64 and 128; checks that the column-wise
+// bytes are the row-wise ones transposed (a sample).
+void time_probe(const Buffers& b) {
+  constexpr int kRows = 8192, kCols = 8192;
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  using Kernel = void (*)(const uint4*, uint4*, uint2*, uint8_t*, int, int);
+  struct Case {
+    const char* name;
+    int written;  // bytes an element, beside the 2 read
+    Kernel kernel;
+    bool phased;
+  };
+  const Case cases[] = {
+      {"free row", 1, probe_kernel<false, false, 32, false>, false},
+      {"free row+col (32-row groups)", 2, probe_kernel<false, true, 32, false>, false},
+      {"free row+col (64)", 2, probe_kernel<false, true, 64, false>, false},
+      {"free row+col (128)", 2, probe_kernel<false, true, 128, false>, false},
+      {"free row+col+out (32)", 4, probe_kernel<true, true, 32, false>, false},
+      {"free row+col+out (64)", 4, probe_kernel<true, true, 64, false>, false},
+      {"free row+col+out (128)", 4, probe_kernel<true, true, 128, false>, false},
+      {"phased row+col (32 rows x 4096)", 2, probe_kernel<false, true, 32, true>, true},
+      {"phased row+col (64 x 2048)", 2, probe_kernel<false, true, 64, true>, true},
+      {"phased row+col (128 x 1024)", 2, probe_kernel<false, true, 128, true>, true},
+      {"phased row+col+out (32 rows x 4096)", 4, probe_kernel<true, true, 32, true>, true},
+      {"phased row+col+out (64 x 2048)", 4, probe_kernel<true, true, 64, true>, true},
+      {"phased row+col+out (128 x 1024)", 4, probe_kernel<true, true, 128, true>, true}};
+  const auto* x = static_cast<const uint4*>(b.x);
+  auto* out = static_cast<uint4*>(b.dy);
+  auto* row = static_cast<uint2*>(b.row);
+  auto* col = static_cast<uint8_t*>(b.col);
+  std::vector<uint8_t> r(size_t{kRows} * kCols), t(r.size());
+  for (const Case& c : cases) {
+    const int smem = c.phased ? 128 << 10 : 16 << 10;
+    cudaFuncSetAttribute(c.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    const int grid = c.phased ? sms : sms * 8, threads = c.phased ? 1024 : 256;
+    const double bytes = double{kRows} * kCols * (2 + c.written);
+    const float us =
+        time_us([&] { c.kernel<<<grid, threads, smem>>>(x, out, row, col, kRows, kCols); });
+    const float copy_us = time_us(
+        [&] { cudaMemcpyAsync(b.out, b.x, static_cast<size_t>(bytes / 2), cudaMemcpyDefault); });
+    printf("probe 8192x8192 %s: %.1f us, %.0f GB/s; copy of as many bytes %.1f us: %.0f %% (%s)\n",
+           c.name, us, bytes / us / 1e3, copy_us, 100.0 * copy_us / us,
+           cudaGetErrorString(cudaGetLastError()));
+    if (c.written < 2) continue;
+    cudaMemcpy(r.data(), row, r.size(), cudaMemcpyDeviceToHost);
+    cudaMemcpy(t.data(), col, t.size(), cudaMemcpyDeviceToHost);
+    cudaMemset(col, 0, t.size());
+    size_t bad = 0;
+    for (size_t i = 0; i < r.size(); i += 97) bad += r[i] != t[i % kCols * kRows + i / kCols];
+    if (bad) printf("probe %s: WRONG column-wise bytes\n", c.name);
+  }
+  for (int size : {2, 4}) {
+    printf("clusters of %d (1024 threads, 224 KB): %d resident\n", size,
+           resident_clusters(size, 224 << 10));
   }
 }
 
@@ -217,14 +358,16 @@ void time_activation(const Buffers& b) {
 int main(int argc, char** argv) {
   const char* what = argc > 1 ? argv[1] : "all";
   const bool all = !strcmp(what, "all");
-  if (!all && strcmp(what, "copy") && strcmp(what, "cast") && strcmp(what, "norm") &&
-      strcmp(what, "normbwd") && strcmp(what, "act")) {
-    fprintf(stderr, "usage: %s [all|copy|cast|norm|normbwd|act]  (ONCE=1: one launch per case)\n",
+  if (!all && strcmp(what, "copy") && strcmp(what, "probe") && strcmp(what, "cast") &&
+      strcmp(what, "norm") && strcmp(what, "normbwd") && strcmp(what, "act")) {
+    fprintf(stderr,
+            "usage: %s [all|copy|probe|cast|norm|normbwd|act]  (ONCE=1: one launch per case)\n",
             argv[0]);
     return 2;
   }
   const Buffers b = make_buffers();
   if (all || !strcmp(what, "copy")) time_copy(b);
+  if (all || !strcmp(what, "probe")) time_probe(b);
   if (all || !strcmp(what, "cast")) time_cast(b);
   if (all || !strcmp(what, "norm")) time_norm(b);
   if (all || !strcmp(what, "normbwd")) time_norm_backward(b);
