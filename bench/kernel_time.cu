@@ -85,25 +85,10 @@ void time_copy(const Buffers& b) {
   }
 }
 
-// Bandwidth probes: norm_cast's traffic at [rows, cols] with no arithmetic, the ceiling of each
-// of its forms. Each reads bf16 once and writes a byte per element row-wise, optionally the bf16
-// copy (kOut) and a byte per element column-wise (kCol) through a shared tile of kGroup rows,
-// stored 16 rows x 4 columns per thread as norm_cast stores its tiles (16-byte stores; a
-// column's kGroup bytes from adjacent threads). Two walks:
-//   free:   many 16 KB tiles per SM, each block on its own;
-//   phased: norm_cast's phases, a 128 KB tile per SM: a block loads a group's rows and writes
-//           them row-wise, then after a barrier stores its tile column-wise, every SM at about
-//           the same time (norm_cast at hidden 8192: groups of 32 rows of 4096 columns).
-
-// A loaded segment's 8 "codes" (its elements' high bytes).
-__device__ __forceinline__ uint2 probe_codes(uint4 a) {
-  return make_uint2(__byte_perm(a.x, a.y, 0x7531), __byte_perm(a.z, a.w, 0x7531));
-}
-
-// Stores the column-wise item of columns 4w.. and rows 16b.. of a tile group (rows r0..) whose
-// row r's word w is at word(r, w).
+// Stores the column-wise item of columns 4w.. and rows 16b.. of a tile of rows r0.. and column
+// vectors v0.. whose row r's word w is word(r, w): 16-byte stores, one a column.
 template <typename Word>
-__device__ __forceinline__ void probe_store_item(Word&& word, int w, int b, int r0, int v0,
+__device__ __forceinline__ void store_probe_item(Word&& word, int w, int b, int r0, int v0,
                                                  uint8_t* col, int rows) {
   uint32_t c[4][4];  // [4-row block][column]
   for (int j = 0; j < 4; ++j) {
@@ -118,32 +103,68 @@ __device__ __forceinline__ void probe_store_item(Word&& word, int w, int b, int 
   }
 }
 
-// Tiles of kGroup rows x kCols columns: block t's tile group is t / (cols / kCols), its slice
-// t % (cols / kCols); tiles of 16 KB (free) or 128 KB (phased, a block of 1024 per SM).
-template <bool kOut, bool kCol, int kGroup, bool kPhased>
-__global__ void __launch_bounds__(kPhased ? 1024 : 256, kPhased ? 1 : 2)
-    probe_kernel(const uint4* x, uint4* out, uint2* row, uint8_t* col, int rows, int cols) {
-  constexpr int kCols = (kPhased ? 128 << 10 : 16 << 10) / kGroup, kWords = kCols / 4;
+// Bandwidth probe ("free": many blocks an SM, each on its own): norm_cast's traffic at [rows, cols]
+// with no arithmetic, the ceiling of each of its forms and of taller column-wise groups. Reads bf16
+// once; writes a byte per element row-wise, and optionally the bf16 copy (kOut) and a byte per
+// element column-wise (kCol) through a shared tile of kGroup rows (16 KB), stored 16 rows x 4
+// columns per thread as norm_cast stores its tiles (16-byte stores; a column's kGroup bytes from
+// adjacent threads).
+template <bool kOut, bool kCol, int kGroup>
+__global__ void __launch_bounds__(256)
+    traffic_probe(const uint4* x, uint4* out, uint2* row, uint8_t* col, int rows, int cols) {
+  constexpr int kCols = 16384 / kGroup, kWords = kCols / 4 + 1;  // (+1: no bank conflicts)
+  __shared__ uint32_t tile[kGroup][kWords];
+  const int vecs = cols / 8, tiles_c = cols / kCols, tiles = rows / kGroup * tiles_c;
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int r0 = t / tiles_c * kGroup, v0 = t % tiles_c * kCols / 8;
+    for (int i = threadIdx.x; i < kGroup * kCols / 8; i += blockDim.x) {
+      const size_t at = size_t(r0 + i / (kCols / 8)) * vecs + v0 + i % (kCols / 8);
+      const uint4 a = x[at];
+      if (kOut) out[at] = a;
+      const uint2 bytes = make_uint2(__byte_perm(a.x, a.y, 0x7531), __byte_perm(a.z, a.w, 0x7531));
+      row[at] = bytes;
+      if (kCol) {
+        uint32_t* dst = &tile[i / (kCols / 8)][i % (kCols / 8) * 2];
+        dst[0] = bytes.x, dst[1] = bytes.y;
+      }
+    }
+    if (!kCol) continue;
+    __syncthreads();
+    store_probe_item([&](int r, int w) { return tile[r][w]; }, threadIdx.x / (kGroup / 16),
+                     threadIdx.x % (kGroup / 16), r0, v0, col, rows);
+    __syncthreads();
+  }
+}
+
+// The same traffic in norm_cast's own phases: a block per SM walks groups of kGroup rows of a
+// kCols-column slice (its 128 KB tile), loads them and writes row-wise (and out), then after a
+// barrier stores the tile column-wise, 16 rows x 4 columns a thread, a column's kGroup bytes
+// from adjacent threads; every SM stores at about the same time, as norm_cast's blocks do.
+// (norm_cast at hidden 8192: kGroup 32 of 4096 columns, a cluster pair per group.)
+template <bool kOut, int kGroup>
+__global__ void __launch_bounds__(1024, 1)
+    phased_probe(const uint4* x, uint4* out, uint2* row, uint8_t* col, int rows, int cols) {
+  constexpr int kCols = (128 << 10) / kGroup, kWords = kCols / 4;
   extern __shared__ uint32_t tile[];  // [kGroup][kWords], words XOR-swizzled by 16-row block
   const auto at_word = [](int r, int word) { return r * kWords + (word ^ (r / 16 % 8 * 4)); };
-  const int slices = cols / kCols, vecs = cols / 8, groups = rows / kGroup;
-  const int walkers = gridDim.x / slices;
+  const int slices = cols / kCols, walkers = gridDim.x / slices, slice = blockIdx.x % slices;
+  const int vecs = cols / 8;
   if (blockIdx.x >= walkers * slices) return;  // (a walker's slices are whole)
-  for (int t = blockIdx.x; t < groups * slices; t += walkers * slices) {
-    const int r0 = t / slices * kGroup, v0 = t % slices * kCols / 8;
+  for (int g = blockIdx.x / slices; g < rows / kGroup; g += walkers) {
+    const int r0 = g * kGroup, v0 = slice * kCols / 8;
 #pragma unroll 4
     for (int i = threadIdx.x; i < kGroup * kCols / 8; i += blockDim.x) {
       const int r = i / (kCols / 8), v = i % (kCols / 8);
       const size_t at = size_t(r0 + r) * vecs + v0 + v;
       const uint4 a = x[at];
       if (kOut) out[at] = a;
-      row[at] = probe_codes(a);
-      if (kCol) *reinterpret_cast<uint2*>(&tile[at_word(r, 2 * v)]) = probe_codes(a);
+      const uint2 bytes = make_uint2(__byte_perm(a.x, a.y, 0x7531), __byte_perm(a.z, a.w, 0x7531));
+      row[at] = bytes;
+      *reinterpret_cast<uint2*>(&tile[at_word(r, 2 * v)]) = bytes;
     }
-    if (!kCol) continue;
     __syncthreads();
     for (int item = threadIdx.x; item < kWords * kGroup / 16; item += blockDim.x) {
-      probe_store_item([&](int r, int w) { return tile[at_word(r, w)]; }, item / (kGroup / 16),
+      store_probe_item([&](int r, int w) { return tile[at_word(r, w)]; }, item / (kGroup / 16),
                        item % (kGroup / 16), r0, v0, col, rows);
     }
     __syncthreads();
@@ -166,62 +187,69 @@ int resident_clusters(int size, int smem) {
   return n;
 }
 
+// Whether col holds row's bytes transposed ([cols][rows] against [rows][cols]), on a sample.
+bool transposed(const void* row, const void* col, int rows, int cols) {
+  std::vector<uint8_t> r(size_t(rows) * cols), t(r.size());
+  cudaMemcpy(r.data(), row, r.size(), cudaMemcpyDeviceToHost);
+  cudaMemcpy(t.data(), col, t.size(), cudaMemcpyDeviceToHost);
+  size_t bad = 0;
+  for (size_t i = 0; i < r.size(); i += 97) bad += r[i] != t[i % cols * rows + i / cols];
+  return bad == 0;
+}
+
 // The probes beside a device-to-device copy of as many bytes, at norm_cast's 8192 x 8192 forms,
-// with column-wise groups of 32 rows (norm_cast's), 64 and 128; checks that the column-wise
-// bytes are the row-wise ones transposed (a sample).
+// with column-wise groups of 32 rows (norm_cast's), 64 and 128; and how many clusters of 2 and
+// of 4 blocks of 1024 threads fit at once.
 void time_probe(const Buffers& b) {
-  constexpr int kRows = 8192, kCols = 8192;
+  constexpr int kRows = 8192, kCols = 8192, kPhasedTile = 128 << 10;
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  using Kernel = void (*)(const uint4*, uint4*, uint2*, uint8_t*, int, int);
   struct Case {
     const char* name;
     int written;  // bytes an element, beside the 2 read
-    Kernel kernel;
-    bool phased;
+    void (*kernel)(const uint4*, uint4*, uint2*, uint8_t*, int, int);
+    bool phased;  // phased_probe (a block of 1024 per SM), else traffic_probe
   };
-  const Case cases[] = {
-      {"free row", 1, probe_kernel<false, false, 32, false>, false},
-      {"free row+col (32-row groups)", 2, probe_kernel<false, true, 32, false>, false},
-      {"free row+col (64)", 2, probe_kernel<false, true, 64, false>, false},
-      {"free row+col (128)", 2, probe_kernel<false, true, 128, false>, false},
-      {"free row+col+out (32)", 4, probe_kernel<true, true, 32, false>, false},
-      {"free row+col+out (64)", 4, probe_kernel<true, true, 64, false>, false},
-      {"free row+col+out (128)", 4, probe_kernel<true, true, 128, false>, false},
-      {"phased row+col (32 rows x 4096)", 2, probe_kernel<false, true, 32, true>, true},
-      {"phased row+col (64 x 2048)", 2, probe_kernel<false, true, 64, true>, true},
-      {"phased row+col (128 x 1024)", 2, probe_kernel<false, true, 128, true>, true},
-      {"phased row+col+out (32 rows x 4096)", 4, probe_kernel<true, true, 32, true>, true},
-      {"phased row+col+out (64 x 2048)", 4, probe_kernel<true, true, 64, true>, true},
-      {"phased row+col+out (128 x 1024)", 4, probe_kernel<true, true, 128, true>, true}};
+  const Case cases[] = {{"row", 1, traffic_probe<false, false, 32>, false},
+                        {"row+col (32-row groups)", 2, traffic_probe<false, true, 32>, false},
+                        {"row+col (64)", 2, traffic_probe<false, true, 64>, false},
+                        {"row+col (128)", 2, traffic_probe<false, true, 128>, false},
+                        {"row+col+out (32)", 4, traffic_probe<true, true, 32>, false},
+                        {"row+col+out (64)", 4, traffic_probe<true, true, 64>, false},
+                        {"row+col+out (128)", 4, traffic_probe<true, true, 128>, false},
+                        {"phased row+col (32 rows x 4096)", 2, phased_probe<false, 32>, true},
+                        {"phased row+col (64 x 2048)", 2, phased_probe<false, 64>, true},
+                        {"phased row+col (128 x 1024)", 2, phased_probe<false, 128>, true},
+                        {"phased row+col+out (32 rows x 4096)", 4, phased_probe<true, 32>, true},
+                        {"phased row+col+out (64 x 2048)", 4, phased_probe<true, 64>, true},
+                        {"phased row+col+out (128 x 1024)", 4, phased_probe<true, 128>, true}};
   const auto* x = static_cast<const uint4*>(b.x);
   auto* out = static_cast<uint4*>(b.dy);
   auto* row = static_cast<uint2*>(b.row);
   auto* col = static_cast<uint8_t*>(b.col);
-  std::vector<uint8_t> r(size_t{kRows} * kCols), t(r.size());
   for (const Case& c : cases) {
-    const int smem = c.phased ? 128 << 10 : 16 << 10;
-    cudaFuncSetAttribute(c.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    const int smem = c.phased ? kPhasedTile : 0;
+    if (c.phased) cudaFuncSetAttribute(c.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     const int grid = c.phased ? sms : sms * 8, threads = c.phased ? 1024 : 256;
     const double bytes = double{kRows} * kCols * (2 + c.written);
     const float us =
         time_us([&] { c.kernel<<<grid, threads, smem>>>(x, out, row, col, kRows, kCols); });
     const float copy_us = time_us(
         [&] { cudaMemcpyAsync(b.out, b.x, static_cast<size_t>(bytes / 2), cudaMemcpyDefault); });
-    printf("probe 8192x8192 %s: %.1f us, %.0f GB/s; copy of as many bytes %.1f us: %.0f %% (%s)\n",
-           c.name, us, bytes / us / 1e3, copy_us, 100.0 * copy_us / us,
-           cudaGetErrorString(cudaGetLastError()));
+    printf(
+        "probe 8192x8192 %s: %.1f us, %.0f GB/s; copy of as many bytes %.1f us, %.0f GB/s: "
+        "%.0f %% (%s)\n",
+        c.name, us, bytes / us / 1e3, copy_us, bytes / copy_us / 1e3, 100.0 * copy_us / us,
+        cudaGetErrorString(cudaGetLastError()));
     if (c.written < 2) continue;
-    cudaMemcpy(r.data(), row, r.size(), cudaMemcpyDeviceToHost);
-    cudaMemcpy(t.data(), col, t.size(), cudaMemcpyDeviceToHost);
-    cudaMemset(col, 0, t.size());
-    size_t bad = 0;
-    for (size_t i = 0; i < r.size(); i += 97) bad += r[i] != t[i % kCols * kRows + i / kCols];
-    if (bad) printf("probe %s: WRONG column-wise bytes\n", c.name);
+    if (!transposed(row, col, kRows, kCols)) printf("probe %s: WRONG column-wise bytes\n", c.name);
+    cudaMemset(col, 0, size_t{kRows} * kCols);
   }
   for (int size : {2, 4}) {
-    printf("clusters of %d (1024 threads, 224 KB): %d resident\n", size,
-           resident_clusters(size, 224 << 10));
+    for (int smem : {160 << 10, 224 << 10}) {
+      printf("clusters of %d (1024 threads, %d KB): %d resident\n", size, smem >> 10,
+             resident_clusters(size, smem));
+    }
   }
 }
 
