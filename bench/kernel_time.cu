@@ -112,7 +112,8 @@ __device__ __forceinline__ void store_probe_item(Word&& word, int w, int b, int 
 template <bool kOut, bool kCol, int kGroup>
 __global__ void __launch_bounds__(256)
     traffic_probe(const uint4* x, uint4* out, uint2* row, uint8_t* col, int rows, int cols) {
-  constexpr int kCols = 16384 / kGroup, kWords = kCols / 4 + 1;  // (+1: no bank conflicts)
+  // (+1: a column's two 16-row halves on other banks; 64 and 128 rows keep 2- and 4-way conflicts)
+  constexpr int kCols = 16384 / kGroup, kWords = kCols / 4 + 1;
   __shared__ uint32_t tile[kGroup][kWords];
   const int vecs = cols / 8, tiles_c = cols / kCols, tiles = rows / kGroup * tiles_c;
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
@@ -145,7 +146,9 @@ template <bool kOut, int kGroup>
 __global__ void __launch_bounds__(1024, 1)
     phased_probe(const uint4* x, uint4* out, uint2* row, uint8_t* col, int rows, int cols) {
   constexpr int kCols = (128 << 10) / kGroup, kWords = kCols / 4;
-  extern __shared__ uint32_t tile[];  // [kGroup][kWords], words XOR-swizzled by 16-row block
+  // [kGroup][kWords], words XOR-swizzled by 16-row block within 16-word blocks: the store
+  // phase's 16-row halves of a column still share banks, a 2-way conflict as in norm_cast's.
+  extern __shared__ uint32_t tile[];
   const auto at_word = [](int r, int word) { return r * kWords + (word ^ (r / 16 % 8 * 4)); };
   const int slices = cols / kCols, walkers = gridDim.x / slices, slice = blockIdx.x % slices;
   const int vecs = cols / 8;
@@ -228,6 +231,7 @@ void time_probe(const Buffers& b) {
   auto* row = static_cast<uint2*>(b.row);
   auto* col = static_cast<uint8_t*>(b.col);
   for (const Case& c : cases) {
+    cudaMemset(row, 0, size_t{kRows} * kCols);  // (so that the check sees this case's bytes)
     const int smem = c.phased ? kPhasedTile : 0;
     if (c.phased) cudaFuncSetAttribute(c.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     const int grid = c.phased ? sms : sms * 8, threads = c.phased ? 1024 : 256;

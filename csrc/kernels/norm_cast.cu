@@ -165,8 +165,9 @@ __device__ __forceinline__ float team_sum(float s, float (*buf)[kLanes / 32], in
 
 // A split team's view of its warp partials' slots (kSplit 2): two sets of one 64-bit slot per
 // warp of the whole row, in this block's shared memory (`local`) and its partner's (`remote`),
-// as 32-bit shared-window addresses (the split LayerNorm kernels spilled with generic pointers);
-// and the team's count of the sums it posted (each sum's tag: its count, from 1).
+// as 32-bit shared-window addresses (with generic pointers the split LayerNorm kernels spilled
+// 20-32 B; 4 B remain, a value reloaded once a row); and the team's count of the sums it posted
+// (each sum's tag: its count, from 1).
 struct SplitSlots {
   uint32_t local;
   uint32_t remote;
