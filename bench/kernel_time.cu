@@ -142,14 +142,19 @@ __global__ void __launch_bounds__(256)
 // barrier stores the tile column-wise, 16 rows x 4 columns a thread, a column's kGroup bytes
 // from adjacent threads; every SM stores at about the same time, as norm_cast's blocks do.
 // (norm_cast at hidden 8192: kGroup 32 of 4096 columns, a cluster pair per group.)
-template <bool kOut, int kGroup>
+// kSpread: XOR by 16-row block times 512 / kGroup words instead, which puts a column's 16-row
+// blocks on different banks (added after the session-26 calls; not run yet).
+template <bool kOut, int kGroup, bool kSpread = false>
 __global__ void __launch_bounds__(1024, 1)
     phased_probe(const uint4* x, uint4* out, uint2* row, uint8_t* col, int rows, int cols) {
   constexpr int kCols = (128 << 10) / kGroup, kWords = kCols / 4;
-  // [kGroup][kWords], words XOR-swizzled by 16-row block within 16-word blocks: the store
-  // phase's 16-row halves of a column still share banks, a 2-way conflict as in norm_cast's.
+  // [kGroup][kWords], words XOR-swizzled by 16-row block; without kSpread within 16-word
+  // blocks: the store phase's 16-row blocks of a column share banks (2-way at 32 rows, as in
+  // norm_cast's store phase).
   extern __shared__ uint32_t tile[];
-  const auto at_word = [](int r, int word) { return r * kWords + (word ^ (r / 16 % 8 * 4)); };
+  const auto at_word = [](int r, int word) {
+    return r * kWords + (word ^ (kSpread ? r / 16 * (512 / kGroup) : r / 16 % 8 * 4));
+  };
   const int slices = cols / kCols, walkers = gridDim.x / slices, slice = blockIdx.x % slices;
   const int vecs = cols / 8;
   if (blockIdx.x >= walkers * slices) return;  // (a walker's slices are whole)
@@ -213,19 +218,24 @@ void time_probe(const Buffers& b) {
     void (*kernel)(const uint4*, uint4*, uint2*, uint8_t*, int, int);
     bool phased;  // phased_probe (a block of 1024 per SM), else traffic_probe
   };
-  const Case cases[] = {{"row", 1, traffic_probe<false, false, 32>, false},
-                        {"row+col (32-row groups)", 2, traffic_probe<false, true, 32>, false},
-                        {"row+col (64)", 2, traffic_probe<false, true, 64>, false},
-                        {"row+col (128)", 2, traffic_probe<false, true, 128>, false},
-                        {"row+col+out (32)", 4, traffic_probe<true, true, 32>, false},
-                        {"row+col+out (64)", 4, traffic_probe<true, true, 64>, false},
-                        {"row+col+out (128)", 4, traffic_probe<true, true, 128>, false},
-                        {"phased row+col (32 rows x 4096)", 2, phased_probe<false, 32>, true},
-                        {"phased row+col (64 x 2048)", 2, phased_probe<false, 64>, true},
-                        {"phased row+col (128 x 1024)", 2, phased_probe<false, 128>, true},
-                        {"phased row+col+out (32 rows x 4096)", 4, phased_probe<true, 32>, true},
-                        {"phased row+col+out (64 x 2048)", 4, phased_probe<true, 64>, true},
-                        {"phased row+col+out (128 x 1024)", 4, phased_probe<true, 128>, true}};
+  const Case cases[] = {
+      {"row", 1, traffic_probe<false, false, 32>, false},
+      {"row+col (32-row groups)", 2, traffic_probe<false, true, 32>, false},
+      {"row+col (64)", 2, traffic_probe<false, true, 64>, false},
+      {"row+col (128)", 2, traffic_probe<false, true, 128>, false},
+      {"row+col+out (32)", 4, traffic_probe<true, true, 32>, false},
+      {"row+col+out (64)", 4, traffic_probe<true, true, 64>, false},
+      {"row+col+out (128)", 4, traffic_probe<true, true, 128>, false},
+      {"phased row+col (32 rows x 4096)", 2, phased_probe<false, 32>, true},
+      {"phased row+col (64 x 2048)", 2, phased_probe<false, 64>, true},
+      {"phased row+col (128 x 1024)", 2, phased_probe<false, 128>, true},
+      {"phased row+col+out (32 rows x 4096)", 4, phased_probe<true, 32>, true},
+      {"phased row+col+out (64 x 2048)", 4, phased_probe<true, 64>, true},
+      {"phased row+col+out (128 x 1024)", 4, phased_probe<true, 128>, true},
+      {"phased row+col, no bank conflict (32 rows x 4096)", 2, phased_probe<false, 32, true>, true},
+      {"phased row+col+out, no bank conflict (32 rows x 4096)", 4, phased_probe<true, 32, true>,
+       true},
+      {"phased row+col+out, no bank conflict (64 x 2048)", 4, phased_probe<true, 64, true>, true}};
   const auto* x = static_cast<const uint4*>(b.x);
   auto* out = static_cast<uint4*>(b.dy);
   auto* row = static_cast<uint2*>(b.row);
