@@ -85,6 +85,11 @@ void time_copy(const Buffers& b) {
   }
 }
 
+// A loaded segment's 8 "codes": its elements' high bytes.
+__device__ __forceinline__ uint2 probe_codes(uint4 a) {
+  return make_uint2(__byte_perm(a.x, a.y, 0x7531), __byte_perm(a.z, a.w, 0x7531));
+}
+
 // Stores the column-wise item of columns 4w.. and rows 16b.. of a tile of rows r0.. and column
 // vectors v0.. whose row r's word w is word(r, w): 16-byte stores, one a column.
 template <typename Word>
@@ -122,7 +127,7 @@ __global__ void __launch_bounds__(256)
       const size_t at = size_t(r0 + i / (kCols / 8)) * vecs + v0 + i % (kCols / 8);
       const uint4 a = x[at];
       if (kOut) out[at] = a;
-      const uint2 bytes = make_uint2(__byte_perm(a.x, a.y, 0x7531), __byte_perm(a.z, a.w, 0x7531));
+      const uint2 bytes = probe_codes(a);
       row[at] = bytes;
       if (kCol) {
         uint32_t* dst = &tile[i / (kCols / 8)][i % (kCols / 8) * 2];
@@ -166,7 +171,7 @@ __global__ void __launch_bounds__(1024, 1)
       const size_t at = size_t(r0 + r) * vecs + v0 + v;
       const uint4 a = x[at];
       if (kOut) out[at] = a;
-      const uint2 bytes = make_uint2(__byte_perm(a.x, a.y, 0x7531), __byte_perm(a.z, a.w, 0x7531));
+      const uint2 bytes = probe_codes(a);
       row[at] = bytes;
       *reinterpret_cast<uint2*>(&tile[at_word(r, 2 * v)]) = bytes;
     }

@@ -289,11 +289,11 @@ __device__ __forceinline__ float chunk_sum(float s, const uint32_t (&w)[kWords],
 
 // The lane's partial: its elements folded in order (norm_cast.h: chunks ascending, then within).
 template <typename T, int kChunks, typename F>
-__device__ __forceinline__ float lane_sum(const Row<T, kChunks>& row, int chunks, F&& f) {
+__device__ __forceinline__ float lane_sum(const Row<T, kChunks>& row, int chunks, F&& add) {
   float s = 0.0f;
 #pragma unroll
   for (int k = 0; k < kChunks; ++k) {
-    if (k < chunks) s = chunk_sum<T>(s, row.w[k], f);
+    if (k < chunks) s = chunk_sum<T>(s, row.w[k], add);
   }
   return s;
 }
@@ -308,14 +308,14 @@ __device__ __forceinline__ int64_t row_column(const Args& a, int lane0, int t) {
 
 // lane_sum of the lane's row in its stage, a chunk at a time (registers are short).
 template <int kLanes, typename T, int kChunks, typename F>
-__device__ __forceinline__ float stage_sum(const uint4* stage, int chunks, F&& f) {
+__device__ __forceinline__ float stage_sum(const uint4* stage, int chunks, F&& add) {
   float s = 0.0f;
 #pragma unroll
   for (int k = 0; k < kChunks; ++k) {
     if (k < chunks) {
       uint32_t w[Row<T, kChunks>::kWords];
       read_chunk<kLanes, T, kChunks>(stage, k, w);
-      s = chunk_sum<T>(s, w, f);
+      s = chunk_sum<T>(s, w, add);
     }
   }
   return s;
