@@ -12,12 +12,13 @@ export PYTHONPATH := $(CURDIR)/python:$(PYTHONPATH)
 export MAX_JOBS ?= $(JOBS)
 
 .PHONY: help deps build build-python build-cpp test test-cpp test-py test-cpu-only demo bench \
-	format lint clean
+	format format-check lint clean
 
 help:
 	@echo "make demo    set up, build, self-check, FP8 vs bf16 decoder training demo, cast benchmark"
 	@echo "make test    set up, build, GoogleTest + pytest, and pytest on the CPU-only build"
-	@echo "make format  clang-format C++/CUDA sources"
+	@echo "make format  clang-format C++/CUDA sources (with clang-format 21, installed under build/)"
+	@echo "make format-check  the same, changing nothing: fails where a file is not formatted"
 	@echo "make lint    ruff over the Python code"
 
 # Installs only what is missing: apt for the C++ test tools, pip for torch (the machine's
@@ -66,8 +67,21 @@ demo: build-python
 	$(PYTHON) -m tpfp8.demo
 	$(PYTHON) bench/cast.py
 
-format:
-	clang-format -i --style=file $$(git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh' 'tests_cpp/*')
+# The sources are formatted with clang-format 21 (older releases disagree in a few places: 14 in
+# eight), so format installs that release beside the build rather than using the one on PATH.
+CLANG_FORMAT_SPEC ?= clang-format==21.1.8
+CLANG_FORMAT_DIR := build/clang-format
+CLANG_FORMAT := PYTHONPATH=$(CLANG_FORMAT_DIR) $(CLANG_FORMAT_DIR)/bin/clang-format
+FORMATTED = $$(git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh' 'bench/*.cu' 'tests_cpp/*')
+
+$(CLANG_FORMAT_DIR)/bin/clang-format:
+	$(PYTHON) -m pip install -q --target $(CLANG_FORMAT_DIR) "$(CLANG_FORMAT_SPEC)"
+
+format: $(CLANG_FORMAT_DIR)/bin/clang-format
+	$(CLANG_FORMAT) -i --style=file $(FORMATTED)
+
+format-check: $(CLANG_FORMAT_DIR)/bin/clang-format
+	$(CLANG_FORMAT) --dry-run -Werror --style=file $(FORMATTED)
 
 lint:
 	$(PYTHON) -m ruff check python bench tests_py
