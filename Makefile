@@ -69,8 +69,8 @@ demo: build-python
 	$(PYTHON) -m tpfp8.demo
 	$(PYTHON) bench/cast.py
 
-# The sources are formatted with clang-format 21 (older releases disagree in a few places: 14 in
-# eight), so format installs that release beside the build rather than using the one on PATH.
+# The sources are formatted with clang-format 21 (older releases lay out a few lines otherwise:
+# 14 eight of them), so format installs that release under build/ instead of using the one on PATH.
 CLANG_FORMAT_SPEC ?= clang-format==21.1.8
 CLANG_FORMAT_DIR := build/clang-format
 CLANG_FORMAT := PYTHONPATH=$(CLANG_FORMAT_DIR) $(CLANG_FORMAT_DIR)/bin/clang-format

@@ -814,10 +814,10 @@ constexpr bool kMayStage =
 // row+col 90.5 -> 98.8 at best, whose shorter chunks hide less of the partner's latency. Only whole
 // rows (ragged ones spilled) of 16-bit input (fp32's spilled and were not measured), and LayerNorm
 // with beta (staged; without, it spilled).
-// With `out`, what bounds them is how the bytes move: the same bytes in these phases with no
-// arithmetic take 121 us (bench/kernel_time.cu probe), RMSNorm 122, LayerNorm 127.5. LayerNorm's
-// mean is not its extra cost: without the mean's exchange it took 131.5 us, without the mean
-// pass at all 128.3 (row+col: 110.3 -> 103.4 and 93.3).
+// With `out`, RMSNorm runs as fast as its bytes move in these phases (122 us; with no arithmetic,
+// bench/kernel_time.cu probe: 121) and LayerNorm 6 us slower, which is not its mean: without the
+// mean's exchange it took 131.5 us, without the mean pass at all 128.3 (row+col: 110.3 -> 103.4
+// and 93.3).
 inline bool split_rows(const Args& a) {
   const NormCastParams& p = a.p;
   return p.hidden == kSplitHidden && p.columnwise && p.rowwise && !a.amax_only &&
