@@ -39,7 +39,8 @@ for step in $steps; do
       cmake -S . -B build/cmake -DTPFP8_GTEST_SOURCE_DIR="$gtest" >> "$log" 2>&1 &&
         cmake --build build/cmake -j "$MAX_JOBS" >> "$log" 2>&1 || { tail -30 "$log"; exit 1; }
       (cd build/cmake && ctest --output-on-failure -j "$MAX_JOBS" 2>&1) | tee -a "$log" | tail -4
-      python3 -m pytest tests_py -q -rs -p no:cacheprovider --durations=15 2>&1 | tee -a "$log" | tail -4 ;;
+      python3 -m pytest tests_py -q -rs -p no:cacheprovider --durations=15 2>&1 |
+        tee -a "$log" | tail -4 ;;
     cast) python3 bench/cast.py --out "$OUT" 2>&1 | tee -a "$log" | grep -E '^\|' ;;
     norm) python3 bench/norm_cast.py --out "$OUT" 2>&1 | tee -a "$log" | grep -E '^\|' ;;
     activation) python3 bench/activation_cast.py --out "$OUT" 2>&1 | tee -a "$log" |

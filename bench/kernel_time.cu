@@ -413,9 +413,9 @@ int main(int argc, char** argv) {
   bool known = all;
   for (const auto& m : modes) known = known || !strcmp(what, m.name);
   if (!known) {
-    fprintf(stderr,
-            "usage: %s [all|copy|probe|cast|norm|normbwd|act]  (ONCE=1: one launch per case)\n",
-            argv[0]);
+    fprintf(stderr, "usage: %s [all", argv[0]);
+    for (const auto& m : modes) fprintf(stderr, "|%s", m.name);
+    fprintf(stderr, "]  (ONCE=1: one launch per case)\n");
     return 2;
   }
   const Buffers b = make_buffers();

@@ -185,7 +185,8 @@ struct SplitSlots {
 // each post depending on a poll's result. Acquire / release forms were not measured.)
 // kSleep: waiting lanes sleep between looks, for LayerNorm, where spinning took issue slots
 // from the working warps (8192 +out 145.6 -> 129.8 us); RMSNorm, not issue-bound, spins (122.8
-// against 124.2 us). mbarrier waits were slower than either.
+// against 124.2 us). mbarrier waits were slower than either, and so was LayerNorm spinning on
+// one of its two waits a row and sleeping on the other (+out 127.1 -> 129.4-130.7 us).
 template <int kLanes>
 __device__ __forceinline__ void split_post(float s, SplitSlots& slots, int lane0) {
   constexpr int kWarps = 2 * kLanes / 32;
