@@ -9,6 +9,7 @@
 #include "dbias_output.h"
 #include "device_dispatch.h"
 #include "kernels/activation_cast.h"
+#include "kernels/gemm.h"
 
 namespace tpfp8 {
 namespace {
@@ -84,11 +85,11 @@ void run_cast(ActivationCastParams& p, const at::Tensor& input, const OptTensor&
                     out_name, " outputs");
   p.format = fp8_format_from(fp8_format);
   if (rowwise || columnwise) {
-    TORCH_CHECK_VALUE(cols % 16 == 0, "FP8 ", p.backward ? "dx" : "act(x)", " is [", p.rows, ", ",
-                      cols, "]: its width ", cols,
+    TORCH_CHECK_VALUE(cols % kFp8Multiple == 0, "FP8 ", p.backward ? "dx" : "act(x)", " is [",
+                      p.rows, ", ", cols, "]: its width ", cols,
                       " is the K of the GEMM that takes it, which Hopper's FP8 GEMMs need to be "
-                      "a multiple of 16; pad the layer's features or ask only for ",
-                      out_name);
+                      "a multiple of ",
+                      kFp8Multiple, "; pad the layer's features or ask only for ", out_name);
   }
   p.rowwise =
       static_cast<uint8_t*>(optional_output(rowwise, "rowwise", {p.rows, cols}, at::kByte, input));

@@ -9,6 +9,7 @@
 
 #include "backward_guard.h"
 #include "kernels/gemm.h"
+#include "kernels/norm_cast.h"
 #include "linear.h"
 
 namespace py = pybind11;
@@ -42,6 +43,9 @@ PYBIND11_MODULE(_C, m) {
       .value("E4M3", GemmType::kE4M3)
       .value("E5M2", GemmType::kE5M2);
   m.attr("FP8_MULTIPLE") = kFp8Multiple;
+  // The fused norms' widths: in_features a multiple of this, at most that (kernels/norm_cast.h).
+  m.attr("NORM_HIDDEN_ALIGN") = kNormHiddenAlign;
+  m.attr("NORM_MAX_HIDDEN") = kNormMaxHidden;
   py::enum_<Scaling>(m, "Scaling")
       .value("NONE", Scaling::kNone)
       .value("DELAYED", Scaling::kDelayed)

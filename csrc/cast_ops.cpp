@@ -60,8 +60,8 @@ void run_with_dbias(CastParams& p, const at::Tensor& input, const OptTensor& dbi
 void run_cast_transpose(CastParams& p, const at::Tensor& input, const OptTensor& rowwise,
                         const OptTensor& columnwise, const OptTensor& scale_inv,
                         const OptTensor& dbias) {
-  TORCH_CHECK(rowwise.has_value() || columnwise.has_value(),
-              "cast_transpose needs at least one of rowwise / columnwise outputs");
+  TORCH_CHECK_VALUE(rowwise.has_value() || columnwise.has_value(),
+                    "cast_transpose needs at least one of rowwise / columnwise outputs");
   p.rowwise = optional_fp8_out(rowwise, "rowwise", {p.rows, p.cols}, input);
   p.columnwise = optional_fp8_out(columnwise, "columnwise", {p.cols, p.rows}, input);
   p.scale_inv = optional_f32(scale_inv, "scale_inv", input);
@@ -104,7 +104,7 @@ void cast_transpose_current(const at::Tensor& input, const at::Tensor& amax, dou
                             const OptTensor& dbias) {
   CastParams p = cast_params(input, fp8_format);
   check_scalar_f32(amax, "amax", input, "input");
-  TORCH_CHECK(epsilon >= 0.0, "epsilon must be >= 0, got ", epsilon);
+  TORCH_CHECK_VALUE(epsilon >= 0.0, "epsilon must be >= 0, got ", epsilon);
   p.scale_amax = amax.data_ptr<float>();
   p.epsilon = static_cast<float>(epsilon);
   run_cast_transpose(p, input, rowwise, columnwise, scale_inv, dbias);
@@ -157,20 +157,21 @@ void amax(const at::Tensor& input, at::Tensor& amax) {
 
 void delayed_scaling_update(at::Tensor& amax_history, at::Tensor& scale, at::Tensor& scale_inv,
                             const at::Tensor& fp8_max, int64_t margin, bool use_history_max) {
-  TORCH_CHECK(amax_history.dim() == 2 && amax_history.scalar_type() == at::kFloat,
-              "amax_history must be float32 [history_len, num_tensors], got ",
-              amax_history.scalar_type(), " of shape ", shape_str(amax_history));
+  TORCH_CHECK_VALUE(amax_history.dim() == 2 && amax_history.scalar_type() == at::kFloat,
+                    "amax_history must be float32 [history_len, num_tensors], got ",
+                    amax_history.scalar_type(), " of shape ", shape_str(amax_history));
   check_contiguous(amax_history, "amax_history");
   const int64_t n = amax_history.size(1);
   for (auto [t, name] : {std::pair{&scale, "scale"}, {&scale_inv, "scale_inv"}}) {
     check_output(*t, name, {n}, at::kFloat, amax_history);
   }
-  TORCH_CHECK(fp8_max.dim() == 1 && fp8_max.size(0) == n && fp8_max.scalar_type() == at::kFloat,
-              "fp8_max must be float32 [", n, "] (one format max per tensor), got ",
-              fp8_max.scalar_type(), " of shape ", shape_str(fp8_max));
+  TORCH_CHECK_VALUE(
+      fp8_max.dim() == 1 && fp8_max.size(0) == n && fp8_max.scalar_type() == at::kFloat,
+      "fp8_max must be float32 [", n, "] (one format max per tensor), got ", fp8_max.scalar_type(),
+      " of shape ", shape_str(fp8_max));
   check_contiguous(fp8_max, "fp8_max");
   check_same_device(fp8_max, amax_history, "fp8_max", "amax_history");
-  TORCH_CHECK(margin >= -100 && margin <= 100, "margin must be in [-100, 100], got ", margin);
+  TORCH_CHECK_VALUE(margin >= -100 && margin <= 100, "margin must be in [-100, 100], got ", margin);
   DelayedScalingParams p;
   p.amax_history = amax_history.data_ptr<float>();
   p.history_len = amax_history.size(0);
@@ -190,24 +191,24 @@ void delayed_scaling_update_many(const std::vector<at::Tensor>& histories,
                                  const std::vector<at::Tensor>& scale_invs,
                                  const std::vector<double>& fp8_max, int64_t margin,
                                  bool use_history_max, at::IntArrayRef scale_offsets) {
-  TORCH_CHECK(histories.size() == scales.size() && histories.size() == scale_invs.size(),
-              "delayed_scaling_update_many needs one scale and scale_inv per history, got ",
-              histories.size(), " histories, ", scales.size(), " scales, ", scale_invs.size(),
-              " scale_invs");
-  TORCH_CHECK(margin >= -100 && margin <= 100, "margin must be in [-100, 100], got ", margin);
+  TORCH_CHECK_VALUE(histories.size() == scales.size() && histories.size() == scale_invs.size(),
+                    "delayed_scaling_update_many needs one scale and scale_inv per history, got ",
+                    histories.size(), " histories, ", scales.size(), " scales, ", scale_invs.size(),
+                    " scale_invs");
+  TORCH_CHECK_VALUE(margin >= -100 && margin <= 100, "margin must be in [-100, 100], got ", margin);
   // Before the loop below reads scale_offsets[j].
-  TORCH_CHECK(scale_offsets.empty() || scale_offsets.size() == histories.size(),
-              "scale_offsets needs one offset per history (", histories.size(), "), got ",
-              scale_offsets.size(), "; pass [] for whole scale tensors");
+  TORCH_CHECK_VALUE(scale_offsets.empty() || scale_offsets.size() == histories.size(),
+                    "scale_offsets needs one offset per history (", histories.size(), "), got ",
+                    scale_offsets.size(), "; pass [] for whole scale tensors");
   if (histories.empty()) return;
   const at::Tensor& ref = histories[0];
   int64_t total = 0;
   for (size_t j = 0; j < histories.size(); ++j) {
     const at::Tensor& h = histories[j];
-    TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.size(1) == ref.size(1),
-                "histories[", j, "] must be float32 [num_tensors, ", ref.size(1),
-                "] (tensor-major, newest first), got ", h.scalar_type(), " of shape ",
-                shape_str(h));
+    TORCH_CHECK_VALUE(h.dim() == 2 && h.scalar_type() == at::kFloat && h.size(1) == ref.size(1),
+                      "histories[", j, "] must be float32 [num_tensors, ", ref.size(1),
+                      "] (tensor-major, newest first), got ", h.scalar_type(), " of shape ",
+                      shape_str(h));
     check_contiguous(h, "history");
     check_same_device(h, ref, "history", "histories[0]");
     const int64_t offset = scale_offsets.empty() ? 0 : scale_offsets[j];
@@ -222,8 +223,8 @@ void delayed_scaling_update_many(const std::vector<at::Tensor>& histories,
     }
     total += h.size(0);
   }
-  TORCH_CHECK(static_cast<int64_t>(fp8_max.size()) == total, "fp8_max needs one value per tensor (",
-              total, "), got ", fp8_max.size());
+  TORCH_CHECK_VALUE(static_cast<int64_t>(fp8_max.size()) == total,
+                    "fp8_max needs one value per tensor (", total, "), got ", fp8_max.size());
   DelayedScalingBatch b;
   b.history_len = ref.size(1);
   b.margin = static_cast<int>(margin);

@@ -37,7 +37,7 @@ void set_debug_logger(DebugLogger logger) { debug_logger() = std::move(logger); 
 DebugOptions debug_options(at::IntArrayRef packed) {
   DebugOptions d;
   if (packed.empty()) return d;
-  TORCH_CHECK(packed.size() == 7, "debug options are [] or 7 values, got ", packed.size());
+  TORCH_CHECK_VALUE(packed.size() == 7, "debug options are [] or 7 values, got ", packed.size());
   d.active = true;
   for (int g = 0; g < 3; ++g) d.high_precision[g] = packed[g] != 0;
   for (int r = 0; r < 3; ++r) d.fake[r] = packed[3 + r];

@@ -15,10 +15,8 @@ namespace tpfp8 {
 namespace {
 
 GemmType gemm_type_from(int64_t code) {
-  TORCH_CHECK(code >= 0 && code <= 4,
-              "GEMM operand type must be 0..4 (float32, bfloat16, float16, e4m3, e5m2), got ",
-              code);
-  return static_cast<GemmType>(code);
+  return code_as<GemmType>(code, "GEMM operand type",
+                           "0..4 (float32, bfloat16, float16, e4m3, e5m2)");
 }
 
 GemmType storage_type(const at::Tensor& t, const char* name) {
@@ -43,14 +41,14 @@ GemmOperand operand(const at::Tensor& t, GemmType type, const OptTensor& scale_i
   op.transposed = transposed;
   op.data = t.data_ptr();
   if (is_fp8(type)) {
-    TORCH_CHECK(t.element_size() == 1, name, " is declared ", gemm_type_name(type), " but holds ",
-                t.scalar_type(), "; pass FP8 codes as uint8 or float8");
-    TORCH_CHECK(scale_inv.has_value(), name, " is FP8 and needs its scale_inv");
+    TORCH_CHECK_TYPE(t.element_size() == 1, name, " is declared ", gemm_type_name(type),
+                     " but holds ", t.scalar_type(), "; pass FP8 codes as uint8 or float8");
+    TORCH_CHECK_VALUE(scale_inv.has_value(), name, " is FP8 and needs its scale_inv");
     check_scalar_f32(*scale_inv, "scale_inv", t, name);
     op.scale_inv = scale_inv->data_ptr<float>();
   } else {
-    TORCH_CHECK(storage_type(t, name) == type, name, " is declared ", gemm_type_name(type),
-                " but holds ", t.scalar_type());
+    TORCH_CHECK_TYPE(storage_type(t, name) == type, name, " is declared ", gemm_type_name(type),
+                     " but holds ", t.scalar_type());
   }
   return op;
 }
@@ -99,15 +97,15 @@ void gemm(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, const OptTe
   p.k = a_transposed ? a.size(0) : a.size(1);
   p.n = b_transposed ? b.size(1) : b.size(0);
   const int64_t kb = b_transposed ? b.size(0) : b.size(1);
-  TORCH_CHECK(kb == p.k, "A contracts over K=", p.k, " but B over K=", kb, " (A ", shape_str(a),
-              a_transposed ? " transposed" : "", ", B ", shape_str(b),
-              b_transposed ? " transposed" : "", ")");
+  TORCH_CHECK_VALUE(kb == p.k, "A contracts over K=", p.k, " but B over K=", kb, " (A ",
+                    shape_str(a), a_transposed ? " transposed" : "", ", B ", shape_str(b),
+                    b_transposed ? " transposed" : "", ")");
   p.d_type = storage_type(out, "out");
   check_output(out, "out", {p.m, p.n}, out.scalar_type(), out);
   p.d = out.data_ptr();
   if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == p.n, "bias must be [N]=[", p.n,
-                "], got shape ", shape_str(*bias));
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == p.n, "bias must be [N]=[", p.n,
+                      "], got shape ", shape_str(*bias));
     check_contiguous(*bias, "bias");
     check_same_device(*bias, out, "bias", "out");
     p.bias = bias->data_ptr();
@@ -116,14 +114,14 @@ void gemm(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, const OptTe
   p.accumulate = accumulate;
   p.fast_accum = fast_accum;
   const std::string err = gemm_check(p);
-  TORCH_CHECK(err.empty(), err);
+  TORCH_CHECK_VALUE(err.empty(), err);
   run_on_device(
       out, [&] { gemm_cpu(p); },
       [&](cudaStream_t s) {
         p.workspace = workspace_for(out);
         p.workspace_size = kGemmWorkspaceBytes;
         const std::string e = gemm_cuda(p, s);
-        TORCH_CHECK(e.empty(), e);
+        TORCH_CHECK(e.empty(), e);  // (cuBLASLt refused a checked call)
         return cudaSuccess;
       });
 }

@@ -35,24 +35,16 @@ LinearConfig linear_config(int64_t scaling, int64_t fwd_format, int64_t grad_for
                            int64_t weight_cache, bool save_original_input, int64_t parallel_mode,
                            bool sequence_parallel, const std::string& group_name,
                            at::IntArrayRef debug) {
-  TORCH_CHECK_VALUE(scaling >= 0 && scaling <= 2,
-                    "scaling must be 0 (none), 1 (delayed) or 2 "
-                    "(current), got ",
-                    scaling);
-  TORCH_CHECK_VALUE(weight_cache >= 0 && weight_cache <= 2, "weight_cache must be 0..2, got ",
-                    weight_cache);
-  TORCH_CHECK_VALUE(parallel_mode >= 0 && parallel_mode <= 2,
-                    "parallel_mode must be 0 (none), "
-                    "1 (column) or 2 (row), got ",
-                    parallel_mode);
   LinearConfig c;
-  c.scaling = static_cast<Scaling>(scaling);
+  c.scaling = code_as<Scaling>(scaling, "scaling", "0 (none), 1 (delayed) or 2 (current)");
   c.fwd_format = fp8_format_from(fwd_format);
   c.grad_format = fp8_format_from(grad_format);
   c.epsilon = epsilon;
-  c.weight_cache = static_cast<WeightCache>(weight_cache);
+  c.weight_cache =
+      code_as<WeightCache>(weight_cache, "weight_cache", "0 (none), 1 (fill) or 2 (reuse)");
   c.save_original_input = save_original_input;
-  c.parallel_mode = static_cast<ParallelMode>(parallel_mode);
+  c.parallel_mode =
+      code_as<ParallelMode>(parallel_mode, "parallel_mode", "0 (none), 1 (column) or 2 (row)");
   c.sequence_parallel = sequence_parallel;
   if (!group_name.empty()) c.tp_group = c10d::resolve_process_group(group_name);
   c.debug = debug_options(debug);

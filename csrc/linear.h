@@ -36,7 +36,7 @@
 
 namespace tpfp8 {
 
-enum class WeightCache : int { kNone = 0, kFill = 1, kReuse = 2 };
+enum class WeightCache : int { kNone = 0, kFill = 1, kReuse = 2, kLast = kReuse };
 
 // Megatron-style tensor parallelism over `tp_group`:
 //   column: W split on N (this rank holds [N/tp, K]); with sequence parallelism the input
@@ -45,7 +45,7 @@ enum class WeightCache : int { kNone = 0, kFill = 1, kReuse = 2 };
 //   row:    W split on K ([N, K/tp]); y is reduce-scattered (sequence parallel) or
 //           all-reduced, the full bias added after; with sequence parallelism dy arrives
 //           split along dim 0 and is all-gathered (FP8) for both backward GEMMs.
-enum class ParallelMode : int { kNone = 0, kColumn = 1, kRow = 2 };
+enum class ParallelMode : int { kNone = 0, kColumn = 1, kRow = 2, kLast = kRow };
 
 // A layer's settings for one call: fixed by the module's configuration and the recipe in force.
 struct LinearConfig {

@@ -3,6 +3,7 @@
 
 #include "activation_ops.h"
 #include "checks.h"
+#include "kernels/norm_cast.h"
 
 namespace tpfp8 {
 namespace {
@@ -55,11 +56,9 @@ FusedCast fused_activation(const at::Tensor* dy, const at::Tensor& x, const Prol
 
 PrologueArgs prologue_args(int64_t kind, const OptTensor& weight, const OptTensor& bias,
                            double eps) {
-  TORCH_CHECK_VALUE(kind >= 0 && kind <= 4,
-                    "prologue must be 0 (none), 1 (LayerNorm), 2 (RMSNorm), 3 (GELU) or 4 "
-                    "(SwiGLU), got ",
-                    kind);
-  return {static_cast<Prologue>(kind), weight, bias, eps};
+  const auto code = code_as<Prologue>(
+      kind, "prologue", "0 (none), 1 (LayerNorm), 2 (RMSNorm), 3 (GELU) or 4 (SwiGLU)");
+  return {code, weight, bias, eps};
 }
 
 void check_prologue(const PrologueArgs& p, const at::Tensor& x, int64_t k, bool row_parallel) {
@@ -84,9 +83,9 @@ void check_prologue(const PrologueArgs& p, const at::Tensor& x, int64_t k, bool 
                       " but the input on ", x.device(), "; move the module or the input");
   }
   TORCH_CHECK_VALUE(p.eps >= 0.0, "the norm's eps must be >= 0, got ", p.eps);
-  TORCH_CHECK_VALUE(k % 16 == 0 && k <= 16384,
-                    "the fused norm needs in_features a multiple of 16 and at most 16384 (its "
-                    "kernel keeps a row in registers), got ",
+  TORCH_CHECK_VALUE(k % kNormHiddenAlign == 0 && k <= kNormMaxHidden,
+                    "the fused norm needs in_features a multiple of ", kNormHiddenAlign,
+                    " and at most ", kNormMaxHidden, " (its kernel keeps a row in registers), got ",
                     k, "; use torch's norm before a tpfp8.Linear instead");
 }
 

@@ -11,7 +11,14 @@
 
 namespace tpfp8 {
 
-enum class Prologue : int { kNone = 0, kLayerNorm = 1, kRMSNorm = 2, kGelu = 3, kSwiGLU = 4 };
+enum class Prologue : int {
+  kNone = 0,
+  kLayerNorm = 1,
+  kRMSNorm = 2,
+  kGelu = 3,
+  kSwiGLU = 4,
+  kLast = kSwiGLU
+};
 
 inline bool is_norm(Prologue kind) {
   return kind == Prologue::kLayerNorm || kind == Prologue::kRMSNorm;

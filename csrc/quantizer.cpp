@@ -74,7 +74,10 @@ Fp8Tensor Quantizer::outputs(int64_t rows, int64_t cols, const at::TensorOptions
 }
 
 Fp8Tensor Quantizer::quantize_fused(const FusedCast&, bool, bool, const ProcessGroupPtr&) const {
-  TORCH_CHECK(false, "internal error: this quantizer does not fuse its cast into another kernel");
+  TORCH_CHECK_VALUE(false,
+                    "this recipe's quantizer has no cast fused into a norm or activation kernel "
+                    "(Quantizer::quantize_fused), which the fused modules need; use "
+                    "tpfp8.Linear behind torch's norm or activation instead");
 }
 
 Fp8Tensor DelayedScalingQuantizer::quantize(const at::Tensor& x, bool rowwise, bool columnwise,

@@ -22,7 +22,7 @@
 
 namespace tpfp8 {
 
-enum class Scaling : int { kNone = 0, kDelayed = 1, kCurrent = 2 };
+enum class Scaling : int { kNone = 0, kDelayed = 1, kCurrent = 2, kLast = kCurrent };
 enum class Gemm : int { kFprop = 0, kDgrad = 1, kWgrad = 2 };
 enum Role : int64_t { kInput = 0, kWeight = 1, kGrad = 2 };  // a Linear's three tensors
 const char* gemm_name(Gemm g);

@@ -17,7 +17,7 @@
 
 namespace tpfp8 {
 
-enum class Fp8Format : int { kE4M3 = 0, kE5M2 = 1 };
+enum class Fp8Format : int { kE4M3 = 0, kE5M2 = 1, kLast = kE5M2 };
 
 // Both formats encode NaN as 0x7F (the sign is dropped): one canonical NaN keeps the CPU
 // reference and the GPU byte-identical whatever NaN payload or sign the input carries.

@@ -21,7 +21,14 @@
 namespace tpfp8 {
 
 // The codes are what torch.ops.tpfp8.gemm takes (exported to Python as tpfp8._C.GemmType).
-enum class GemmType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kE4M3 = 3, kE5M2 = 4 };
+enum class GemmType : int {
+  kFloat32 = 0,
+  kBFloat16 = 1,
+  kFloat16 = 2,
+  kE4M3 = 3,
+  kE5M2 = 4,
+  kLast = kE5M2
+};
 
 // FP8 GEMMs on Hopper need the K-major dimensions (K and N) in multiples of this.
 constexpr int64_t kFp8Multiple = 16;
