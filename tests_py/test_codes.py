@@ -70,3 +70,15 @@ def test_the_forward_op_and_its_fake_kernel_share_one_check():
         x, w = torch.randn(2, 24, device=device), torch.randn(48, 24, device=device)
         with pytest.raises(ValueError, match="multiples of 16, got 24 and 48"):
             torch.ops.tpfp8.linear_forward(*check(x, w, 2), False, False)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", object(), {"margin": 0}])
+def test_recipes_are_one_list(recipe):
+    """fp8_autocast and the ops' codes read the recipes from one place (scaling.py); anything
+    else is refused by name, before any layer runs."""
+    layer = tpfp8.Linear(16, 16)
+    with pytest.raises(ValueError, match="recipe must be tpfp8.DelayedScaling or "
+                                         "tpfp8.CurrentScaling, got"):
+        with tpfp8.fp8_autocast(recipe=recipe):
+            layer(torch.randn(2, 16))
+    assert layer.fp8_state is None  # (nothing ran in FP8)

@@ -321,6 +321,18 @@ def test_rms_norm_linear_and_te_parameter_names():
     assert set(plain.state_dict()) == {"fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias",
                                        "fc1._extra_state", "fc2._extra_state"}
     assert isinstance(plain.fc1, tpfp8.Linear) and plain.fc1.weight.shape == (128, 32)
+    # The same names as attributes: the parameters themselves, None where there is none.
+    for module in (mlp, swiglu, plain):
+        state = module.state_dict()
+        for name in ("layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc1_bias",
+                     "fc2_weight", "fc2_bias"):
+            if name in state:
+                assert isinstance(getattr(module, name), nn.Parameter)
+                assert getattr(module, name).data_ptr() == state[name].data_ptr()
+    assert swiglu.fc1_bias is None and swiglu.fc2_weight is swiglu.fc2.weight
+    assert not hasattr(plain, "layer_norm_weight")
+    with pytest.raises(AttributeError, match="fc1_weight is fc1.weight, read-only"):
+        mlp.fc1_weight = nn.Parameter(torch.zeros(64, 32))
 
 
 @pytest.mark.parametrize("cls", [tpfp8.LayerNormMLP, tpfp8.MLP])
@@ -487,6 +499,29 @@ def test_swap_fused_converts_sequential_pairs(norm):
         with tpfp8.fp8_autocast(recipe=recipe):
             got, want = fused(x), plain(x)
         assert float((got - want).norm() / want.norm()) < 2e-2
+
+
+@pytest.mark.parametrize("width", [100, 32768])
+def test_swap_fused_leaves_norms_the_kernel_cannot_take(width):
+    """A norm whose width is not a multiple of 16, or is above 16384, stays torch's: fusing it
+    would turn a model that runs into one that raises at its first forward."""
+    x = torch.randn(2, width)
+    for norm in (nn.LayerNorm(width), nn.RMSNorm(width)):
+        model = nn.Sequential(norm, nn.Linear(width, 16))
+        want = model(x)
+        tpfp8.swap_fused(model)
+        assert [type(m) for m in model] == [type(norm), nn.Linear]
+        torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("width", [100, 32768])
+def test_norm_modules_refuse_widths_the_kernel_cannot_take(width):
+    """At construction, with the rule and its remedy, not at the first forward."""
+    for make in (lambda: tpfp8.LayerNormLinear(width, 16, device="meta"),
+                 lambda: tpfp8.RMSNormLinear(width, 16, device="meta"),
+                 lambda: tpfp8.LayerNormMLP(width, 64, device="meta")):
+        with pytest.raises(ValueError, match=rf"multiple of 16 and at most 16384, got {width}"):
+            make()
 
 
 class _Block(nn.Module):

@@ -7,7 +7,7 @@ import torch
 import torch.utils.checkpoint
 
 from . import scaling as _scaling
-from .recipe import CurrentScaling, DelayedScaling
+from .recipe import DelayedScaling
 
 _state = threading.local()
 
@@ -55,9 +55,7 @@ def fp8_autocast(enabled: bool = True, recipe=None, amax_group=None):
     """
     if recipe is None:
         recipe = DelayedScaling()
-    if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
-        raise ValueError(f"recipe must be tpfp8.DelayedScaling or tpfp8.CurrentScaling, got "
-                         f"{type(recipe).__name__}")
+    _scaling.scaling_code(recipe)  # (refuses anything else)
     frame = _frame(recipe, amax_group) if enabled else None
     _stack().append(frame)
     try:

@@ -6,6 +6,7 @@ runs a prologue on the input (csrc/prologue.h); FP8 state, recipes, weight cachi
 parallelism, debugging, checkpointing and torch.compile work as for ``tpfp8.Linear``."""
 import collections
 import copy
+import functools
 from typing import Optional
 
 import torch
@@ -23,6 +24,16 @@ def _choice(value, allowed: dict, what: str):
     if value not in allowed:
         raise ValueError(f"{what} must be one of {sorted(allowed)}, got {value!r}")
     return allowed[value]
+
+
+def _norm_width_error(features: int) -> Optional[str]:
+    """Why the fused norm's kernel cannot take rows of `features` (it keeps a row in
+    registers), or None."""
+    align, most = _C.NORM_HIDDEN_ALIGN, _C.NORM_MAX_HIDDEN
+    if features % align == 0 and features <= most:
+        return None
+    return (f"the fused norm needs in_features a multiple of {align} and at most {most}, got "
+            f"{features}; use torch's norm before a tpfp8.Linear instead")
 
 
 class _GatedShards:
@@ -76,7 +87,8 @@ class LayerNormLinear(_GatedShards, Linear):
 
     Returns ``y``, then (with ``return_bias``) the bias, then (with
     ``return_layernorm_output``) the normalized input: a tuple when more than ``y``.
-    The norm kernel needs ``in_features`` to be a multiple of 16 and at most 16384.
+    The norm kernel needs ``in_features`` to be a multiple of 16 and at most 16384
+    (``tpfp8._C.NORM_HIDDEN_ALIGN``, ``NORM_MAX_HIDDEN``); other widths raise ``ValueError``.
     """
 
     def __init__(self, in_features: int, out_features: int, eps: float = 1e-5,
@@ -88,6 +100,8 @@ class LayerNormLinear(_GatedShards, Linear):
                              "feature of the input; use parallel_mode='column' or None")
         if eps < 0:
             raise ValueError(f"eps must be >= 0, got {eps}")
+        if (error := _norm_width_error(in_features)) is not None:
+            raise ValueError(error)
         super().__init__(in_features, out_features, bias, device, dtype, **kwargs)
         self.normalization, self.eps, self._norm_code = normalization, eps, code
         self.return_layernorm_output = return_layernorm_output
@@ -179,6 +193,13 @@ class _TwoLayers(nn.Module):
     _KEYS = {"fc1.weight": "fc1_weight", "fc1.bias": "fc1_bias", "fc2.weight": "fc2_weight",
              "fc2.bias": "fc2_bias"}
 
+    def __setattr__(self, name, value):
+        for path, te_name in self._KEYS.items():
+            if name == te_name:  # (a read-only alias: see the bottom of this file)
+                raise AttributeError(f"{type(self).__name__}.{name} is {path}, read-only by "
+                                     f"this name; set {path} instead")
+        super().__setattr__(name, value)
+
     def _make_layers(self, fc1_class, fc1_kwargs: dict, hidden_size: int, ffn_hidden_size: int,
                      bias: bool, activation: str, set_parallel_mode: bool, name: Optional[str],
                      **common) -> None:
@@ -236,8 +257,9 @@ class MLP(_TwoLayers):
         hidden_size, ffn_hidden_size, bias, activation, set_parallel_mode, tp_group,
         sequence_parallel, fuse_wgrad_accumulation, name, device, dtype: as ``LayerNormMLP``.
 
-    ``state_dict`` keys: ``fc1_weight``, ``fc1_bias``, ``fc2_weight``, ``fc2_bias`` (the FP8
-    state under ``fc1._extra_state`` and ``fc2._extra_state``); the modules are ``fc1`` (a
+    ``state_dict`` keys and read-only attributes: ``fc1_weight``, ``fc1_bias``, ``fc2_weight``,
+    ``fc2_bias`` (the FP8 state under ``fc1._extra_state`` and ``fc2._extra_state``); the
+    modules are ``fc1`` (a
     ``tpfp8.Linear``) and ``fc2`` (``ActivationLinear``). ``forward(x, is_first_microbatch=None)``
     returns ``y``. Build it explicitly: ``swap_fused`` does not make one.
     """
@@ -269,8 +291,10 @@ class LayerNormMLP(_TwoLayers):
 
     ``state_dict`` keys are TransformerEngine's: ``layer_norm_weight``, ``layer_norm_bias``,
     ``fc1_weight``, ``fc1_bias``, ``fc2_weight``, ``fc2_bias`` (the FP8 state stays under
-    ``fc1._extra_state`` and ``fc2._extra_state``); the modules are ``fc1``
-    (``LayerNormLinear``) and ``fc2`` (``ActivationLinear``).
+    ``fc1._extra_state`` and ``fc2._extra_state``), and so are read-only attributes of those
+    names (``mlp.fc1_weight`` is ``mlp.fc1.weight``); the modules are ``fc1``
+    (``LayerNormLinear``) and ``fc2`` (``ActivationLinear``), whose names
+    ``named_parameters()`` gives.
     ``forward(x, is_first_microbatch=None)`` returns ``y`` or, with
     ``return_layernorm_output``, ``(y, normalized x)``.
     """
@@ -296,6 +320,17 @@ class LayerNormMLP(_TwoLayers):
         return (y, normalized) if self.return_layernorm_output else y
 
 
+def _te_name(path: str) -> property:
+    return property(lambda self: functools.reduce(getattr, path.split("."), self),
+                    doc=f"``{path}`` by TransformerEngine's name (read-only)")
+
+
+# The parameters by TransformerEngine's names too, as attributes (its state_dict keys).
+for _cls in (MLP, LayerNormMLP):
+    for _path, _name in _cls._KEYS.items():
+        setattr(_cls, _name, _te_name(_path))
+
+
 def swap_fused(model: nn.Module) -> nn.Module:
     """Fuses, in place, the pairs the model makes unambiguous: a ``nn.LayerNorm`` /
     ``nn.RMSNorm`` (affine, over the last dimension) whose output goes to one ``nn.Linear`` or
@@ -305,6 +340,7 @@ def swap_fused(model: nn.Module) -> nn.Module:
     the data flow) and in every module whose ``forward`` ``torch.fx`` can trace with its
     submodules as opaque calls: there the traced graph must show the norm (or GELU) and the
     Linear each called once, the norm's output used by that Linear alone, as its only argument.
+    A norm whose width the fused kernel cannot take (see ``LayerNormLinear``) stays unfused.
     Modules shared between places in the tree, untraceable ``forward``s (data-dependent
     control flow) and a norm feeding several projections (q, k and v) are left as they are;
     convert the remaining ``nn.Linear`` layers with :func:`tpfp8.swap_linear`. The new modules
@@ -387,11 +423,16 @@ def _plain_linear(m) -> bool:
 
 
 def _fusable_norm(m) -> bool:
-    if type(m) is nn.LayerNorm:
-        return m.elementwise_affine and len(m.normalized_shape) == 1
+    """An affine LayerNorm / RMSNorm over the last dimension, of a width the kernel takes."""
     rms = getattr(nn, "RMSNorm", None)  # (torch >= 2.4)
-    return rms is not None and type(m) is rms and m.weight is not None and \
-        len(m.normalized_shape) == 1
+    if type(m) is nn.LayerNorm:
+        affine = m.elementwise_affine
+    elif rms is not None and type(m) is rms:
+        affine = m.weight is not None
+    else:
+        return False
+    return affine and len(m.normalized_shape) == 1 and \
+        _norm_width_error(m.normalized_shape[0]) is None
 
 
 def _norm_linear(norm, lin) -> LayerNormLinear:

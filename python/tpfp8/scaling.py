@@ -16,16 +16,26 @@ _FORWARD, _BACKWARD = slice(0, 2), slice(2, 3)  # of scale and scale_inv: input,
 _NONE, _DELAYED, _CURRENT = (int(v) for v in (_C.Scaling.NONE, _C.Scaling.DELAYED,
                                               _C.Scaling.CURRENT))
 _HIGH_PRECISION = (_NONE, int(_C.Fp8Format.E4M3), int(_C.Fp8Format.E5M2), 0.0)
+# The recipes, each with its native scaling code: what fp8_autocast accepts.
+_SCALING = {DelayedScaling: _DELAYED, CurrentScaling: _CURRENT}
+
+
+def scaling_code(recipe) -> int:
+    """The recipe's native scaling code; ValueError for anything not a recipe."""
+    for kind, code in _SCALING.items():
+        if isinstance(recipe, kind):
+            return code
+    names = " or ".join(f"tpfp8.{r.__name__}" for r in _SCALING)
+    raise ValueError(f"recipe must be {names}, got {type(recipe).__name__}")
 
 
 def recipe_codes(recipe) -> tuple:
     """(scaling, forward format, gradient format, epsilon) as the ops take them."""
     if recipe is None:
         return _HIGH_PRECISION
+    code = scaling_code(recipe)
     fwd, grad = recipe.formats
-    if isinstance(recipe, CurrentScaling):
-        return _CURRENT, int(fwd), int(grad), float(recipe.amax_epsilon)
-    return _DELAYED, int(fwd), int(grad), 0.0
+    return code, int(fwd), int(grad), float(getattr(recipe, "amax_epsilon", 0.0))
 
 
 def recipe_key(recipe) -> tuple:
