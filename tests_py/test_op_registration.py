@@ -120,6 +120,15 @@ def linear_samples(device, x, f32, u8, g):
             *config(current, cache=1), True, True),
         "linear_forward high precision": (x, w.bfloat16(), bias.bfloat16(), None, None, None,
                                           None, None, None, *config(0), True, True),
+        # Debugging (a DebugQuantizer around each cast; options: high precision per GEMM,
+        # fake-quantization format per tensor or -1, logger handle or -1): every GEMM in FP8;
+        # then fprop in high precision and the weight fake-quantized to E4M3.
+        "linear_forward delayed debug": (x, w, bias, *state(2), None, None, None, None,
+                                         *config(delayed, debug=(0, 0, 0, -1, -1, -1, -1)),
+                                         True, True),
+        "linear_forward current debug high precision fprop": (
+            x, w, None, None, None, None, None, None, None,
+            *config(current, debug=(1, 0, 0, -1, 0, -1, -1)), True, True),
         "linear_backward main_grad": (
             dy, None, x_codes, f32(0.5), w, codes, f32(0.25), *state(1),
             torch.zeros(48, 64, device=device), False,

@@ -574,6 +574,28 @@ class _ParallelMLP(torch.nn.Module):
         return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
 
 
+def check_ops_with_a_group(group):
+    """opcheck of the Linear's forward under sequence parallelism over this group -- column
+    (the input gathered, in FP8 or, with debugging, in high precision) and row (the output
+    reduce-scattered) -- so that the fake kernel's gathered and scattered shapes are checked
+    against the op (test_op_registration.py checks every op without a group)."""
+    from torch.library import opcheck
+    tp = dist.get_world_size()
+    rows, delayed = S * B // tp, int(_C.Scaling.DELAYED)
+    column, row = int(_C.ParallelMode.COLUMN), int(_C.ParallelMode.ROW)
+    g = torch.Generator().manual_seed(71)
+    for mode, debug in ((column, []), (column, [0, 0, 0, -1, -1, -1, -1]), (row, [])):
+        k = K // tp if mode == row else K
+        n = N // tp if mode == column else N
+        x = torch.randn(rows * (tp if mode == row else 1), k, generator=g).to(DEVICE)
+        w = torch.randn(n, k, generator=g).to(DEVICE)
+        scale = torch.tensor([1.0, 2.0, 4.0], device=DEVICE)
+        args = (x, w, None, scale, torch.zeros(2, 8, device=DEVICE), None, None, None, None,
+                delayed, 0, 1, 0.0, 0, False, mode, True, group.group_name, debug, True, True)
+        opcheck(torch.ops.tpfp8.linear_forward.default, args)
+        expect(0.0, 0.0, f"opcheck linear_forward mode={mode} debug={debug}")
+
+
 def check_compiled_matches_eager(group):
     """torch.compile(fullgraph=True) of a sequence-parallel MLP traces with no graph break
     (the group travels by name) and equals eager bit for bit, state included, both recipes."""
@@ -601,10 +623,11 @@ def check_compiled_matches_eager(group):
 
 
 def check_fused_mlp_matches_single_rank(group):
-    """LayerNormMLP(set_parallel_mode=True) -- RMSNorm on this rank's rows (sequence
-    parallel) or on the whole input, FP8-gathered; column fc1 holding [gate_r | up_r]; SwiGLU;
-    row fc2 -- against the same MLP on one rank: y, dx and every gradient, the norm's weight
-    gradient summed over the group. Without biases, fc2 hands fc1 its gradient in FP8 (the
+    """LayerNormMLP(set_parallel_mode=True) -- RMSNorm (with SwiGLU) or LayerNorm (with GELU)
+    on this rank's rows (sequence parallel) or on the whole input, FP8-gathered; column fc1
+    (for SwiGLU holding [gate_r | up_r]); the activation; row fc2 -- against the same MLP on one
+    rank: y, dx and every gradient, the norm's weight and bias gradients summed over the group.
+    Without biases, fc2 hands fc1 its gradient in FP8 (the
     handoff), on each rank its own columns. Bounds as (b) in the module docstring. The same
     for tpfp8.MLP (no norm: fc1 gathers its input itself).
 
@@ -615,11 +638,12 @@ def check_fused_mlp_matches_single_rank(group):
     input does that on one rank alone). That is the loss's chain, not the layer's."""
     tp, r = dist.get_world_size(), dist.get_rank()
     recipes = (None, tpfp8.DelayedScaling(amax_history_len=4), tpfp8.CurrentScaling())
-    for norm, sp, recipe, bias in itertools.product(("RMSNorm", None), (False, True), recipes,
-                                                     (True, False)):
+    layers = (("RMSNorm", "swiglu"), (None, "swiglu"), ("LayerNorm", "gelu"), (None, "gelu"))
+    for (norm, act), sp, recipe, bias in itertools.product(layers, (False, True), recipes,
+                                                            (True, False)):
         torch.manual_seed(51)
         cls = tpfp8.LayerNormMLP if norm else tpfp8.MLP
-        kw = {"activation": "swiglu", "device": DEVICE, "bias": bias}
+        kw = {"activation": act, "device": DEVICE, "bias": bias}
         if norm:
             kw["normalization"] = norm
         full = cls(K, N, **kw)
@@ -627,13 +651,15 @@ def check_fused_mlp_matches_single_rank(group):
         if norm:
             with torch.no_grad():
                 full.fc1.layer_norm_weight.uniform_(0.5, 1.5)
+                if full.fc1.layer_norm_bias is not None:
+                    full.fc1.layer_norm_bias.uniform_(-0.5, 0.5)
         for one, part in ((full.fc1, split.fc1), (full.fc2, split.fc2)):
             part.load_full_state_dict(one.full_state_dict())
         x = torch.randn(S * B, K, device=DEVICE)
         dy = torch.randn(S * B, K, device=DEVICE)
         exact = recipe is None or (sp and isinstance(recipe, tpfp8.DelayedScaling))
         bound = FP8_TIGHT if exact else 0.15  # (the GPU's GEMMs: summation order, ~1e-4)
-        what = f"{cls.__name__} sp={sp} bias={bias} {_recipe_name(recipe)}"
+        what = f"{cls.__name__} {act} sp={sp} bias={bias} {_recipe_name(recipe)}"
         mine = (lambda t: t.chunk(tp)[r]) if sp else (lambda t: t)  # this rank's rows, or all
         # The input moves each step, so delayed scaling's scales do. Without a norm it shrinks:
         # grown, its products would pass the scales of the step before and saturate, which each
@@ -650,6 +676,8 @@ def check_fused_mlp_matches_single_rank(group):
                      (split.fc2._unshard(split.fc2.weight.grad, 1), full.fc2.weight.grad))
             if norm:
                 pairs += ((split.fc1.layer_norm_weight.grad, full.fc1.layer_norm_weight.grad),)
+            if norm == "LayerNorm":
+                pairs += ((split.fc1.layer_norm_bias.grad, full.fc1.layer_norm_bias.grad),)
             if bias:
                 pairs += ((split.fc1._unshard(split.fc1.bias.grad, 0), full.fc1.bias.grad),
                           (split.fc2.bias.grad, full.fc2.bias.grad))
@@ -657,6 +685,65 @@ def check_fused_mlp_matches_single_rank(group):
                 expect(rel(a, b), bound, f"{what} gradient {i}, step {step}")
             for p in list(full.parameters()) + list(split.parameters()):
                 p.grad = None
+
+
+def check_norm_linear_matches_single_rank(group):
+    """Column-parallel LayerNormLinear / RMSNormLinear -- the norm on this rank's rows and its
+    FP8 output gathered (sequence parallel), or on the whole input -- also returning the norm
+    output, against the same layer on one rank: y, the norm output, dx and every gradient; the
+    norm's weight and bias gradients are summed over the group, so each rank holds the whole
+    of them. Bounds as (b) in the module docstring; fixed output gradients
+    (check_fused_mlp_matches_single_rank says why)."""
+    tp, r = dist.get_world_size(), dist.get_rank()
+    recipes = (None, tpfp8.DelayedScaling(amax_history_len=4), tpfp8.CurrentScaling())
+    for norm, sp, recipe, ret in itertools.product(("LayerNorm", "RMSNorm"), (False, True),
+                                                   recipes, (False, True)):
+        torch.manual_seed(61)
+        kw = {"normalization": norm, "return_layernorm_output": ret, "device": DEVICE}
+        full = tpfp8.LayerNormLinear(K, N, **kw)
+        split = tpfp8.LayerNormLinear(K, N, parallel_mode="column", tp_group=group,
+                                      sequence_parallel=sp, **kw)
+        with torch.no_grad():
+            full.layer_norm_weight.uniform_(0.5, 1.5)
+            if full.layer_norm_bias is not None:
+                full.layer_norm_bias.uniform_(-0.5, 0.5)
+        split.load_full_state_dict(full.full_state_dict())
+        x, dy, dz = (torch.randn(S * B, n, device=DEVICE) for n in (K, N, K))
+        exact = recipe is None or (sp and isinstance(recipe, tpfp8.DelayedScaling))
+        bound = FP8_TIGHT if exact else 0.15
+        what = f"{norm}Linear sp={sp} return_layernorm_output={ret} {_recipe_name(recipe)}"
+        rows = (lambda t: t.chunk(tp)[r]) if sp else (lambda t: t)  # this rank's rows, or all
+
+        def cols(t, dim=1):  # this rank's output features
+            return t.chunk(tp, dim)[r]
+        for step, factor in enumerate((1.0, 2.0)):
+            want = _norm_linear_step(full, x * factor, recipe, dy, dz if ret else None)
+            got = _norm_linear_step(split, rows(x) * factor, recipe, cols(dy),
+                                    rows(dz) if ret else None)
+            pairs = [("y", got[0], cols(want[0])), ("dx", got[1], rows(want[1])),
+                     ("weight grad", split.weight.grad, cols(full.weight.grad, 0)),
+                     ("bias grad", split.bias.grad, cols(full.bias.grad, 0)),
+                     ("norm weight grad", split.layer_norm_weight.grad,
+                      full.layer_norm_weight.grad)]
+            if norm == "LayerNorm":
+                pairs.append(("norm bias grad", split.layer_norm_bias.grad,
+                              full.layer_norm_bias.grad))
+            if ret:
+                pairs.append(("norm output", got[2], rows(want[2])))
+            for name, a, b in pairs:
+                expect(rel(a, b), bound, f"{what} {name}, step {step}")
+            for p in list(full.parameters()) + list(split.parameters()):
+                p.grad = None
+
+
+def _norm_linear_step(layer, x, recipe, dy, dz=None):
+    """(y, dx), and the norm output where the layer returns it (its gradient dz)."""
+    x = x.clone().requires_grad_(True)
+    with tpfp8.fp8_autocast(enabled=recipe is not None, recipe=recipe):
+        out = layer(x)
+    outs, grads = ([out], [dy]) if dz is None else (list(out), [dy, dz])
+    torch.autograd.backward(outs, grads)
+    return [outs[0].detach(), x.grad] + [t.detach() for t in outs[1:]]
 
 
 def check_ddp_casts_with_rank0_state(group):
@@ -704,8 +791,8 @@ def _cases():
         check_debug_keeps_bias_grad,
         check_debug_disable_fp8_gemm, check_deepcopy, check_checkpoint, check_nan_step,
         check_sharded_records_identical, check_double_backward_refused,
-        check_compiled_matches_eager, check_fused_mlp_matches_single_rank,
-        check_ddp_casts_with_rank0_state)]
+        check_ops_with_a_group, check_compiled_matches_eager, check_fused_mlp_matches_single_rank,
+        check_norm_linear_matches_single_rank, check_ddp_casts_with_rank0_state)]
     recipes = [None, tpfp8.DelayedScaling(amax_history_len=4), tpfp8.CurrentScaling()]
     for mode, sp, recipe, save_orig, bias in itertools.product(
             ("column", "row"), (False, True), recipes, (False, True), (True, False)):
