@@ -443,40 +443,46 @@ def check_debug_disable_fp8_gemm(group):
 
 
 def check_debug_seed_case(group):
-    """The seed case: column-parallel, sequence parallel, save_original_input, current
-    scaling, every statistic logged. Debugging changes no result; the wgrad activation
-    statistics are of the gathered tensor (all rows) and equal fp64 statistics of the whole
-    tensor's FP8 values; a sharded weight's statistics equal the single-device ones."""
-    recipe = tpfp8.CurrentScaling()
+    """The seed case: column-parallel, sequence parallel, every statistic logged -- with
+    current scaling and save_original_input (the seed's own), and with delayed scaling (which
+    refuses save_original_input; its first step casts with the fresh scale, 1). Debugging
+    changes no result; the wgrad activation statistics are of the gathered tensor (all rows)
+    and equal fp64 statistics of the whole tensor's FP8 values; a sharded weight's statistics
+    equal the single-device ones."""
+    global checks
     torch.manual_seed(8)
     full_x = torch.randn(S, B, K, device=DEVICE)
     full_dy = torch.randn(S, B, N, device=DEVICE) * 1e-2
-
-    def make():
-        torch.manual_seed(9)
-        return tpfp8.Linear(K, N, parallel_mode="column", tp_group=group, sequence_parallel=True,
-                            save_original_input=True, device=DEVICE, name="seed.fc1")
-
-    plain = step_tp(make(), "column", True, group, full_x, full_dy, recipe)
-    tpfp8.debug.initialize([{"layers": "seed", "features": {"log_stats": {}}}])
-    debugged = step_tp(make(), "column", True, group, full_x, full_dy, recipe)
-    global checks
-    for a, b in zip(plain, debugged):
-        checks += 1
-        assert torch.equal(a, b), "debugging changed a result"
-    rec = {(r["gemm"], r["tensor"]): r for r in tpfp8.debug.records()}
-    act = rec[("wgrad", "activation")]
     x2 = full_x.reshape(-1, K)
-    scale = torch.tensor([448.0], device=DEVICE) / x2.abs().max()
-    q = tpfp8.ops.quantize(x2, scale, "e4m3")
-    used = tpfp8.ops.dequantize(q.rowwise, q.scale_inv, "e4m3").double()
-    checks += 1
-    assert act["shape"] == [S * B, K], f"wgrad activation stats of {act['shape']} rows"
-    want = {"amax": used.abs().max(), "min": used.min(), "max": used.max(), "mean": used.mean(),
-            "std": used.std(unbiased=False), "l1_norm": used.abs().sum(), "l2_norm": used.norm()}
-    for key, value in want.items():
-        expect(abs(act[key] - float(value)) / max(abs(float(value)), 1e-30), 1e-6,
-               f"seed wgrad activation {key}")
+    for recipe, save_orig, scale in (
+            (tpfp8.CurrentScaling(), True, 448.0 / x2.abs().max()),
+            (tpfp8.DelayedScaling(amax_history_len=4), False, torch.tensor(1.0))):
+        def make():
+            torch.manual_seed(9)
+            return tpfp8.Linear(K, N, parallel_mode="column", tp_group=group,
+                                sequence_parallel=True, save_original_input=save_orig,
+                                device=DEVICE, name="seed.fc1")
+
+        what = f"seed case, {_recipe_name(recipe)}"
+        tpfp8.debug.shutdown()
+        plain = step_tp(make(), "column", True, group, full_x, full_dy, recipe)
+        tpfp8.debug.initialize([{"layers": "seed", "features": {"log_stats": {}}}])
+        debugged = step_tp(make(), "column", True, group, full_x, full_dy, recipe)
+        for a, b in zip(plain, debugged):
+            checks += 1
+            assert torch.equal(a, b), f"{what}: debugging changed a result"
+        rec = {(r["gemm"], r["tensor"]): r for r in tpfp8.debug.records()}
+        act = rec[("wgrad", "activation")]
+        q = tpfp8.ops.quantize(x2, scale.reshape(1).to(DEVICE), "e4m3")
+        used = tpfp8.ops.dequantize(q.rowwise, q.scale_inv, "e4m3").double()
+        checks += 1
+        assert act["shape"] == [S * B, K], f"{what}: wgrad activation stats of {act['shape']}"
+        want = {"amax": used.abs().max(), "min": used.min(), "max": used.max(),
+                "mean": used.mean(), "std": used.std(unbiased=False),
+                "l1_norm": used.abs().sum(), "l2_norm": used.norm()}
+        for key, value in want.items():
+            expect(abs(act[key] - float(value)) / max(abs(float(value)), 1e-30), 1e-6,
+                   f"{what}: wgrad activation {key}")
     # Sharded weight: with fprop in high precision its statistics are the full weight's.
     tpfp8.debug.initialize([{"layers": "seed", "features": {
         "log_stats": {"tensors": ["weight"], "gemms": ["fprop"]},
