@@ -2,7 +2,8 @@
 to the unfused composition of the same recipe -- our norm / activation op in high precision,
 then tpfp8.Linear -- in outputs, every gradient and the FP8 state; close to an fp64 emulation;
 TransformerEngine's parameter names; clear errors that leave the state alone; torch.compile
-whole; activation checkpointing; debugging. (Tensor parallelism: tp_worker.py.)"""
+whole; activation checkpointing; debugging; save_original_input. (Tensor parallelism:
+tp_worker.py.)"""
 import copy
 
 import pytest
@@ -13,7 +14,7 @@ import tpfp8
 from tpfp8 import ops
 
 import fp8_oracle
-from conftest import capture_step, requires_gpu, state_of
+from conftest import capture_step, fp8_tight, requires_gpu, state_of
 from test_compile import assert_one_graph, compiled_twin, with_main_grad
 
 DELAYED, CURRENT = tpfp8.DelayedScaling(), tpfp8.CurrentScaling()
@@ -65,7 +66,8 @@ class NormThenLinear(nn.Module):
         super().__init__()
         self.fused = fused
         self.linear = tpfp8.Linear(fused.in_features, fused.out_features,
-                                   bias=fused.bias is not None, device=fused.weight.device)
+                                   bias=fused.bias is not None, device=fused.weight.device,
+                                   save_original_input=fused.save_original_input)
         self.linear.weight, self.linear.bias = fused.weight, fused.bias
 
     def forward(self, x):
@@ -117,6 +119,44 @@ def test_norm_linear_equals_norm_then_linear(device, recipe, normalization, dtyp
         want = train_step(ref, x * (i + 1), RECIPES[recipe])
         assert_same(got, want, f"step {i}")
         assert_same(state_of(fused), state_of(ref.linear), f"FP8 state, step {i}")
+
+
+@pytest.mark.parametrize("recipe", ["high precision", "current"])
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_save_original_input_equals_norm_then_linear(device, recipe, normalization):
+    """With save_original_input the layer keeps the normalized input in high precision and
+    casts it again in backward, as the composition's Linear does with the norm's output.
+    (Delayed scaling refuses it: the scale moves between forward and backward.)"""
+    fused, ref = make_norm_linear(normalization, device, save_original_input=True)
+    assert ref.linear.save_original_input
+    x = torch.randn(2, 40, 64, device=device) * 3 + 1
+    for i in range(2):
+        got = train_step(fused, x * (i + 1), RECIPES[recipe])
+        want = train_step(ref, x * (i + 1), RECIPES[recipe])
+        assert_same(got, want, f"step {i}")
+
+
+@pytest.mark.parametrize("save_original_input", [False, True])
+def test_what_backward_keeps_of_the_normalized_input(device, save_original_input):
+    """In FP8 the layer keeps the normalized input for wgrad as its column-wise FP8 codes,
+    written by the norm's kernel (the high-precision normalized tensor is never kept); with
+    save_original_input, that tensor in high precision instead (cast again in backward). The
+    input x itself is kept either way, for the norm's backward."""
+    rows, k = 80, 64
+    layer = tpfp8.LayerNormLinear(k, 48, save_original_input=save_original_input,
+                                  device=device)
+    x = torch.randn(rows, k, device=device, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, tuple(t.shape)))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with tpfp8.fp8_autocast(recipe=CURRENT):
+            layer(x)
+    codes, full = (torch.uint8, (k, rows)), (torch.float32, (rows, k))
+    assert saved.count(codes) == (0 if save_original_input else 1), saved
+    assert saved.count(full) == (2 if save_original_input else 1), saved
 
 
 def mlp_and_composition(device, activation, bias=True, dtype=torch.float32, norm="RMSNorm"):
@@ -279,6 +319,65 @@ def test_norm_linear_is_close_to_an_fp64_emulation(device):
     want = fq(ln) @ fq(w64).T + fused.bias.double().cpu()
     err = (y.double().cpu() - want).abs().max() / want.abs().max()
     assert err < 2e-2, err
+
+
+class _FakeQuant(torch.autograd.Function):
+    """fp64 emulation of a current-scaling cast: forward, the tensor's FP8 values (`fmt`);
+    backward, the gradient as it comes (the GEMMs take the codes as they are)."""
+
+    @staticmethod
+    def forward(ctx, t, fmt):
+        return fp8_oracle.fake_quant(t, fp8_oracle.current_scale(t, fmt), fmt)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _FakeQuantGrad(torch.autograd.Function):
+    """The output gradient's cast: identity forward, the gradient's E5M2 values backward."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return fp8_oracle.fake_quant(grad, fp8_oracle.current_scale(grad, "e5m2"), "e5m2")
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_norm_linear_step_is_close_to_an_fp64_emulation(device, normalization):
+    """Current scaling, forward and backward, against fp64: the norm, its input's and the
+    weight's E4M3 values, the output gradient's E5M2 values (the bias gradient from the
+    gradient itself), the GEMMs and the norm's backward in fp64. Only the rounding of a code
+    whose fp32 and fp64 inputs fall on two sides of a boundary can differ (none here: 1e-7 on
+    the CPU), and the GPU's FP8 GEMMs accumulate with ~14 bits (fp8_tight)."""
+    fused, _ = make_norm_linear(normalization, device)
+    x = torch.randn(64, 64, device=device) * 2 + 0.5
+    dy = torch.randn(64, 48, device=device)
+    xg = x.clone().requires_grad_(True)
+    with tpfp8.fp8_autocast(recipe=CURRENT):
+        y = fused(xg)
+    y.backward(dy)
+    got = [y.detach(), xg.grad] + [p.grad for p in fused.parameters()]
+
+    p64 = [p.detach().double().cpu().requires_grad_(True) for p in fused.parameters()]
+    named = dict(zip([n for n, _ in fused.named_parameters()], p64))
+    x64 = x.double().cpu().requires_grad_(True)
+    if normalization == "LayerNorm":
+        ln = nn.functional.layer_norm(x64, (64,), named["layer_norm_weight"],
+                                      named["layer_norm_bias"], fused.eps)
+    else:
+        ln = nn.functional.rms_norm(x64, (64,), named["layer_norm_weight"], fused.eps)
+    mm = _FakeQuant.apply(ln, "e4m3") @ _FakeQuant.apply(named["weight"], "e4m3").T
+    y64 = _FakeQuantGrad.apply(mm) + named["bias"]
+    y64.backward(dy.double().cpu())
+    want = [y64.detach(), x64.grad] + [p.grad for p in p64]
+    names = ["y", "dx"] + list(named)
+    for name, a, b in zip(names, got, want):
+        err = float((a.double().cpu() - b).norm() / b.norm())
+        assert err < fp8_tight(device), (name, err)
 
 
 def test_return_layernorm_output_gets_its_gradient(device):
