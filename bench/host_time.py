@@ -68,8 +68,11 @@ def cases(device, size):
         with tpfp8.fp8_autocast(recipe=delayed):
             pass
 
+    # (The op alone has no autograd: it refuses inputs that require grad.)
+    x_data, weight = x.detach(), ours.weight.detach()
+
     def op_call(*state, scaling=0):  # the forward op alone, no autograd
-        return torch.ops.tpfp8.linear_forward(x, ours.weight, None, *state, None, None, None,
+        return torch.ops.tpfp8.linear_forward(x_data, weight, None, *state, None, None, None,
                                               None, scaling, 0, 1, 0.0, 0, False, 0, False, "",
                                               [], False, False)
 
@@ -98,6 +101,7 @@ def primitives(device, size):
         ours(x)
     state = (ours.fp8_scale, ours.fp8_amax_history)
     forward_op = torch.ops.tpfp8.linear_forward
+    weight = ours.weight.detach()  # (the op alone has no autograd: it refuses grad inputs)
     gemm = torch.ops.tpfp8.gemm
     return {
         "torch.empty": lambda: torch.empty(size, size, device=device),
@@ -108,7 +112,7 @@ def primitives(device, size):
                                           False),
         "delayed-scaling update (1 module)": lambda: tpfp8.scaling.update([ours]),
         "linear_forward op FP8 (no grad)": lambda: forward_op(
-            x, ours.weight, None, *state, None, None, None, None, 1, 0, 1, 0.0, 0, False, 0,
+            x, weight, None, *state, None, None, None, None, 1, 0, 1, 0.0, 0, False, 0,
             False, "", [], False, False),
     }
 

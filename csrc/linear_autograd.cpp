@@ -142,7 +142,7 @@ ForwardOutputs run_forward(const at::Tensor& x, const Params& p, const Layer& l)
 struct Saved : torch::CustomClassHolder {
   Config c;
   OptTensor scale, grad_amax_history, main_grad, prologue_bias;
-  std::vector<c10::SymInt> x_shape;
+  std::vector<c10::SymInt> x_shape, y_shape;
   at::ScalarType x_dtype;
   std::optional<at::ScalarType> bias_dtype;
   bool need_dx = false, need_dw = false, need_db = false;
@@ -194,6 +194,7 @@ LayerForward layer_forward(const at::Tensor& x, const Params& p, const Layer& l,
   s->x_shape = x.sym_sizes().vec();
   if (prologue) s->x_shape.back() = p.weight.sym_size(1);  // (the GEMMs' input: in_features)
   s->x_dtype = x.scalar_type();
+  s->y_shape = y.sym_sizes().vec();
   if (p.bias) s->bias_dtype = p.bias->scalar_type();
   s->need_dx = need_dx;
   s->need_dw = p.weight.requires_grad();
@@ -252,6 +253,15 @@ c10::intrusive_ptr<Saved> saved_layer(AutogradContext* ctx, const char* key) {
   return c10::static_intrusive_pointer_cast<Saved>(ctx->saved_data[key].toCapsule());
 }
 
+// The gradient of a layer's output y: zeros where none came (only the norm output it returned
+// was used). Autograd does not make them: the Functions do not materialize gradients, which
+// spares a zeros kernel for the usually absent norm-output gradient (host time).
+at::Tensor output_grad(const at::Tensor& grad, const Saved& s, const variable_list& saved,
+                       size_t first) {
+  if (grad.defined()) return grad;
+  return at::zeros_symint(s.y_shape, saved[first + kWeight].options().dtype(s.x_dtype));
+}
+
 // The output gradient of a prologue the module returned (a norm output), where one came.
 OptTensor returned_output_grad(const Config& c, const at::Tensor& grad) {
   return c.keep_prologue_output && grad.defined() ? OptTensor(grad) : std::nullopt;
@@ -266,6 +276,7 @@ struct LinearAutograd : torch::autograd::Function<LinearAutograd> {
     LayerForward f = layer_forward(x, {weight, bias, prologue_weight, prologue_bias}, l,
                                    x.requires_grad(), to_save);
     ctx->save_for_backward(to_save);
+    ctx->set_materialize_grads(false);
     if (!l.c.keep_prologue_output) ctx->mark_non_differentiable({f.x_hp});
     ctx->saved_data["s"] = c10::IValue::make_capsule(f.s);
     return {f.y, f.x_hp};
@@ -275,8 +286,9 @@ struct LinearAutograd : torch::autograd::Function<LinearAutograd> {
     const auto s = saved_layer(ctx, "s");
     const auto saved = ctx->get_saved_variables();
     // Grad mode on inside backward means create_graph=True (double backward).
-    if (at::GradMode::is_enabled()) return differentiable_backward(grads[0], saved, *s);
-    const auto g = layer_backward(grads[0], saved, 0, *s, returned_output_grad(s->c, grads[1]));
+    const at::Tensor dy = output_grad(grads[0], *s, saved, 0);
+    if (at::GradMode::is_enabled()) return differentiable_backward(dy, saved, *s);
+    const auto g = layer_backward(dy, saved, 0, *s, returned_output_grad(s->c, grads[1]));
     variable_list out(kInputs);
     place_grads(g, *s, out, {0, 1, 2, 3, 4});
     return out;
@@ -336,6 +348,7 @@ struct MlpAutograd : torch::autograd::Function<MlpAutograd> {
         layer_forward(x, {w1, b1, norm_weight, norm_bias}, fc1, x.requires_grad(), to_save);
     LayerForward f2 = layer_forward(f1.y, {w2, b2, {}, {}}, fc2, fc2.c.need_dgrad, to_save);
     ctx->save_for_backward(to_save);
+    ctx->set_materialize_grads(false);
     if (!fc1.c.keep_prologue_output) ctx->mark_non_differentiable({f1.x_hp});
     ctx->saved_data["fc1"] = c10::IValue::make_capsule(f1.s);
     ctx->saved_data["fc2"] = c10::IValue::make_capsule(f2.s);
@@ -352,7 +365,8 @@ struct MlpAutograd : torch::autograd::Function<MlpAutograd> {
     if (hands_off(*s1, *s2)) {
       give = {s1->scale, s1->grad_amax_history, s1->need_dgrad(), s1->need_wgrad(), s1->need_db};
     }
-    const auto g2 = layer_backward(grads[0], saved, kSavedPerLayer, *s2, std::nullopt, give);
+    const at::Tensor dy = output_grad(grads[0], *s2, saved, kSavedPerLayer);
+    const auto g2 = layer_backward(dy, saved, kSavedPerLayer, *s2, std::nullopt, give);
     place_grads(g2, *s2, out, {-1, 5, 6, -1, -1});  // (forward's w2, b2; fc2's x is internal)
     const OptTensor norm_grad = returned_output_grad(s1->c, grads[1]);
     if (!s2->need_dx) return out;
@@ -364,7 +378,7 @@ struct MlpAutograd : torch::autograd::Function<MlpAutograd> {
       take.dy_scale_inv = std::get<7>(g2);
       if (s1->need_db) take.dy_dbias = std::get<8>(g2);
       // (dy itself is FP8 here: an empty tensor says where and in what dtype)
-      const at::Tensor where = grads[0].new_empty({0}, grads[0].options().dtype(s1->x_dtype));
+      const at::Tensor where = dy.new_empty({0}, dy.options().dtype(s1->x_dtype));
       g1 = layer_backward(where, saved, 0, *s1, norm_grad, take);
     } else {
       g1 = layer_backward(std::get<0>(g2), saved, 0, *s1, norm_grad);

@@ -2,6 +2,7 @@
 // linear_backward: tensors (the layer's FP8 state and caches among them, mutated in place as
 // the schemas declare) and plain values only, so torch.compile traces a call as one node.
 // The tensor-parallel group travels by name, as torch's functional collectives pass it.
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
@@ -102,6 +103,36 @@ BackwardOutputs backward_op(
           g.dx_dbias};
 }
 
+// The ops' kernel for the Autograd key: the op itself, called below autograd. Only
+// torch.ops.tpfp8.linear / mlp (linear_autograd.cpp) differentiate these ops, calling them with
+// grad mode off; a direct call that autograd would have to record is refused. (Without this
+// kernel torch's fallback for ops without autograd runs, which boxes every argument on each
+// call -- ~4 us of host time a call on the H200, session 30 -- and only warns at backward.)
+bool differentiable(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
+bool differentiable(const OptTensor& t) { return t && differentiable(*t); }
+template <class T>
+bool differentiable(const T&) {
+  return false;
+}
+
+template <class Signature, const char* kName>
+struct BelowAutograd;
+template <class Ret, class... Args, const char* kName>
+struct BelowAutograd<Ret(Args...), kName> {
+  static Ret call(Args... args) {
+    static const auto op =
+        c10::Dispatcher::singleton().findSchemaOrThrow(kName, "").typed<Ret(Args...)>();
+    TORCH_CHECK(!at::GradMode::is_enabled() || !(differentiable(args) || ...), kName,
+                " has no derivative of its own, and a tensor given to it requires grad: call it "
+                "under torch.no_grad() (or with detached tensors), or differentiate "
+                "torch.ops.tpfp8.linear, which runs it with its backward");
+    const at::AutoDispatchBelowADInplaceOrView below;
+    return op.call(args...);
+  }
+};
+constexpr char kForwardName[] = "tpfp8::linear_forward";
+constexpr char kBackwardName[] = "tpfp8::linear_backward";
+
 }  // namespace
 
 ForwardCall checked_forward_call(
@@ -177,5 +208,9 @@ TORCH_LIBRARY_IMPL(tpfp8, CUDA, m) {
   m.impl("linear_backward", &backward_op);
 }
 #endif
+TORCH_LIBRARY_IMPL(tpfp8, Autograd, m) {
+  m.impl("linear_forward", &BelowAutograd<decltype(forward_op), kForwardName>::call);
+  m.impl("linear_backward", &BelowAutograd<decltype(backward_op), kBackwardName>::call);
+}
 
 }  // namespace tpfp8

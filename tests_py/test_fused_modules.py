@@ -399,6 +399,33 @@ def test_return_layernorm_output_gets_its_gradient(device):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("mlp", [False, True])
+def test_only_the_returned_norm_output_takes_gradient(device, mlp):
+    """Backward from the returned norm output alone (y unused, so no gradient comes for it):
+    x and the norm's parameters get the norm's gradient; the Linears' weight gradients are
+    zero, as for a zero gradient of y."""
+    torch.manual_seed(0)
+    if mlp:
+        fused = tpfp8.LayerNormMLP(64, 128, device=device, return_layernorm_output=True)
+        linear_weights = [fused.fc1_weight, fused.fc2_weight]
+    else:
+        fused = make_norm_linear("LayerNorm", device, return_layernorm_output=True)[0]
+        linear_weights = [fused.weight]
+    with torch.no_grad():
+        fused.layer_norm_weight.uniform_(0.5, 1.5)
+        fused.layer_norm_bias.uniform_(-0.5, 0.5)
+    norm_params = [fused.layer_norm_weight, fused.layer_norm_bias]
+    twins = [p.detach().clone().requires_grad_(True) for p in norm_params]
+    x = torch.randn(32, 64, device=device)
+    for recipe in RECIPES.values():
+        got = train_step(fused, x, recipe, lambda out: out[1], norm_params + linear_weights)
+        want = train_step(lambda t: _Norm.apply(t, *twins, False, 1e-5), x, recipe,
+                          params=twins)
+        assert_same(got[:4], want)
+        for grad in got[4:]:
+            assert torch.equal(grad, torch.zeros_like(grad))
+
+
 def test_outputs_in_order_y_bias_norm(device):
     fused, _ = make_norm_linear("RMSNorm", device, return_bias=True,
                                 return_layernorm_output=True)

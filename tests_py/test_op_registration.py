@@ -191,6 +191,24 @@ def test_opcheck(device, case):
     opcheck(op, samples(device)[case])
 
 
+def test_forward_and_backward_ops_refuse_to_be_differentiated(device):
+    """linear_forward / linear_backward have no derivative of their own (torch.ops.tpfp8.linear
+    differentiates them): called with a tensor that requires grad, under grad mode, they raise
+    instead of returning outputs whose backward would drop that gradient; without grad they
+    run."""
+    x, w = samples(device)["linear_forward high precision"][:2]
+    args = samples(device)["linear_forward high precision"][2:]
+    with pytest.raises(RuntimeError, match="no derivative of its own"):
+        ops_ns.linear_forward(x, w.clone().requires_grad_(True), *args)
+    with torch.no_grad():
+        y = ops_ns.linear_forward(x, w.clone().requires_grad_(True), *args)[0]
+    assert torch.equal(y, ops_ns.linear_forward(x, w, *args)[0])
+    backward_args = list(samples(device)["linear_backward high precision"])
+    backward_args[0] = backward_args[0].clone().requires_grad_(True)
+    with pytest.raises(RuntimeError, match="no derivative of its own"):
+        ops_ns.linear_backward(*backward_args)
+
+
 def fp8_matmul(x, w):
     """x · wᵀ through tpfp8's ops: current-scaled E4M3 casts, then the FP8 GEMM."""
     qx = ops.cast_transpose_current(x, ops.amax(x), "e4m3", columnwise=False)
