@@ -190,7 +190,8 @@ void delayed_scaling_update_many(const std::vector<at::Tensor>& histories,
                                  const std::vector<at::Tensor>& scales,
                                  const std::vector<at::Tensor>& scale_invs,
                                  const std::vector<double>& fp8_max, int64_t margin,
-                                 bool use_history_max, at::IntArrayRef scale_offsets) {
+                                 bool use_history_max, at::IntArrayRef scale_offsets,
+                                 const std::vector<at::Tensor>& previous) {
   TORCH_CHECK_VALUE(histories.size() == scales.size() && histories.size() == scale_invs.size(),
                     "delayed_scaling_update_many needs one scale and scale_inv per history, got ",
                     histories.size(), " histories, ", scales.size(), " scales, ", scale_invs.size(),
@@ -200,6 +201,9 @@ void delayed_scaling_update_many(const std::vector<at::Tensor>& histories,
   TORCH_CHECK_VALUE(scale_offsets.empty() || scale_offsets.size() == histories.size(),
                     "scale_offsets needs one offset per history (", histories.size(), "), got ",
                     scale_offsets.size(), "; pass [] for whole scale tensors");
+  TORCH_CHECK_VALUE(previous.empty() || previous.size() == histories.size(),
+                    "previous needs one buffer per history (", histories.size(), "), got ",
+                    previous.size());
   if (histories.empty()) return;
   const at::Tensor& ref = histories[0];
   int64_t total = 0;
@@ -219,6 +223,7 @@ void delayed_scaling_update_many(const std::vector<at::Tensor>& histories,
       for (const int64_t i : {offset, offset + h.size(0) - 1}) {
         f32_slot(scales[j], i, "scale", ref);
         f32_slot(scale_invs[j], i, "scale_inv", ref);
+        if (!previous.empty()) f32_slot(previous[j], i, "previous", ref);
       }
     }
     total += h.size(0);
@@ -244,6 +249,7 @@ void delayed_scaling_update_many(const std::vector<at::Tensor>& histories,
       const int64_t slot = (scale_offsets.empty() ? 0 : scale_offsets[j]) + i;
       b.scale[t] = scales[j].data_ptr<float>() + slot;
       b.scale_inv[t] = scale_invs[j].data_ptr<float>() + slot;
+      b.previous[t] = previous.empty() ? nullptr : previous[j].data_ptr<float>() + slot;
       b.fp8_max[t] = static_cast<float>(fp8_max[flat]);
     }
   }
@@ -273,6 +279,18 @@ TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
       "int[] scale_offsets=[]) -> ()");
 }
 
+namespace {
+// The op's form: no `previous` (only update_layers, in C++, keeps the scales before an update).
+void delayed_scaling_update_many_op(const std::vector<at::Tensor>& histories,
+                                    const std::vector<at::Tensor>& scales,
+                                    const std::vector<at::Tensor>& scale_invs,
+                                    const std::vector<double>& fp8_max, int64_t margin,
+                                    bool use_history_max, at::IntArrayRef scale_offsets) {
+  delayed_scaling_update_many(histories, scales, scale_invs, fp8_max, margin, use_history_max,
+                              scale_offsets);
+}
+}  // namespace
+
 #define TPFP8_REGISTER_CAST_OPS(m)                           \
   m.impl("quantize", &quantize);                             \
   m.impl("cast_transpose", &cast_transpose);                 \
@@ -281,7 +299,7 @@ TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
   m.impl("dequantize", &dequantize);                         \
   m.impl("amax", &amax);                                     \
   m.impl("delayed_scaling_update", &delayed_scaling_update); \
-  m.impl("delayed_scaling_update_many", &delayed_scaling_update_many)
+  m.impl("delayed_scaling_update_many", &delayed_scaling_update_many_op)
 
 TORCH_LIBRARY_IMPL(tpfp8, CPU, m) { TPFP8_REGISTER_CAST_OPS(m); }
 #if defined(TPFP8_WITH_CUDA)

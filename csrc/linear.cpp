@@ -510,21 +510,18 @@ void update_layers(const std::vector<at::Tensor>& scales, const std::vector<at::
   TORCH_CHECK_VALUE(previous.empty() || previous.size() == scales.size(),
                     "update_layers: one `previous` buffer per layer, got ", previous.size(),
                     " for ", scales.size(), " layers");
-  if (!previous.empty()) {
-    // As the kernels write the state: no version bump (a compiled backward reads it live).
-    const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    at::_foreach_copy_(previous, scales);
-  }
-  std::vector<at::Tensor> all_histories, all_scales, all_scale_invs;
+  std::vector<at::Tensor> all_histories, all_scales, all_scale_invs, all_previous;
   std::vector<int64_t> offsets;
   for (size_t j = 0; j < scales.size(); ++j) {  // forward (input, weight): slots 0-1; gradient: 2
     all_histories.insert(all_histories.end(), {histories[j], grad_histories[j]});
     all_scales.insert(all_scales.end(), {scales[j], scales[j]});
     all_scale_invs.insert(all_scale_invs.end(), {scale_invs[j], scale_invs[j]});
+    if (!previous.empty()) all_previous.insert(all_previous.end(), {previous[j], previous[j]});
     offsets.insert(offsets.end(), {0, 2});
   }
+  // (The update kernel keeps the previous scales itself: no copy launched before it.)
   update_delayed(all_histories, all_scales, all_scale_invs, fp8_max, margin, use_history_max,
-                 amax_group, offsets);
+                 amax_group, offsets, all_previous);
 }
 
 Fp8Tensor all_gather_fp8(const at::Tensor& local, const Quantizer& quantizer,

@@ -44,12 +44,15 @@ void delayed_scaling_update(at::Tensor& amax_history, at::Tensor& scale, at::Ten
                             const at::Tensor& fp8_max, int64_t margin, bool use_history_max);
 // The same for state spread over many buffers: histories[j] [n_j, H] (tensor-major), one
 // launch per 96 tensors. Their scales are scales[j] [n_j], or with `scale_offsets` the slots
-// offsets[j] .. offsets[j] + n_j - 1 of scales[j] (a layer's [3]: no views to make).
+// offsets[j] .. offsets[j] + n_j - 1 of scales[j] (a layer's [3]: no views to make). Given
+// `previous` (the op does not take it), each scale is first kept in the same slot of
+// previous[j], in the same launch.
 void delayed_scaling_update_many(const std::vector<at::Tensor>& histories,
                                  const std::vector<at::Tensor>& scales,
                                  const std::vector<at::Tensor>& scale_invs,
                                  const std::vector<double>& fp8_max, int64_t margin,
-                                 bool use_history_max, at::IntArrayRef scale_offsets = {});
+                                 bool use_history_max, at::IntArrayRef scale_offsets = {},
+                                 const std::vector<at::Tensor>& previous = {});
 // out[M, N] = scales * A . B^T (+ bias) (+ out); types are GemmType codes (kernels/gemm.h).
 void gemm(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, const OptTensor& a_scale_inv,
           const OptTensor& b_scale_inv, int64_t a_type, int64_t b_type, const OptTensor& bias,

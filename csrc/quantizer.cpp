@@ -152,7 +152,7 @@ at::Tensor CurrentScalingQuantizer::amax_of(const at::TensorOptions& options,
 void update_delayed(const std::vector<at::Tensor>& histories, const std::vector<at::Tensor>& scales,
                     const std::vector<at::Tensor>& scale_invs, const std::vector<double>& fp8_max,
                     int64_t margin, bool use_history_max, const ProcessGroupPtr& amax_group,
-                    at::IntArrayRef scale_offsets) {
+                    at::IntArrayRef scale_offsets, const std::vector<at::Tensor>& previous) {
   if (histories.empty()) return;
   if (amax_group) {  // one collective for all the layers' amaxes
     const auto newest = c10::fmap(histories, [](const at::Tensor& h) { return h.select(1, 0); });
@@ -177,7 +177,7 @@ void update_delayed(const std::vector<at::Tensor>& histories, const std::vector<
   // Named as the op, so that profiles (and tests) count the launches.
   RECORD_FUNCTION("tpfp8::delayed_scaling_update_many", std::vector<c10::IValue>());
   delayed_scaling_update_many(histories, scales, scale_invs, fp8_max, margin, use_history_max,
-                              scale_offsets);
+                              scale_offsets, previous);
 }
 
 }  // namespace tpfp8

@@ -168,10 +168,12 @@ class CurrentScalingQuantizer final : public Quantizer {
 // newest first), scales[j] / scale_invs[j] [n_j] (or their slots from scale_offsets[j] on, as
 // delayed_scaling_update_many takes them), fp8_max one per tensor. With `amax_group`
 // the newest amaxes of all of them are all-reduced (MAX) first, in one collective; then the
-// histories roll and the scales update in one launch per 96 tensors.
+// histories roll and the scales update in one launch per 96 tensors (keeping each scale before
+// the update in previous[j], where given).
 void update_delayed(const std::vector<at::Tensor>& histories, const std::vector<at::Tensor>& scales,
                     const std::vector<at::Tensor>& scale_invs, const std::vector<double>& fp8_max,
                     int64_t margin, bool use_history_max, const ProcessGroupPtr& amax_group,
-                    at::IntArrayRef scale_offsets = {});
+                    at::IntArrayRef scale_offsets = {},
+                    const std::vector<at::Tensor>& previous = {});
 
 }  // namespace tpfp8

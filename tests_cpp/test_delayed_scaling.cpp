@@ -198,14 +198,18 @@ TEST(DelayedScalingBatch, CpuEqualsTheColumnUpdate) {
   for (const bool use_max : {true, false}) {
     State st = random_state(33, 37, 5);
     auto rows = tensor_major(st);
-    std::vector<float> scale = st.scale, scale_inv(st.n);
-    delayed_scaling_update_batch_cpu(batch_of(rows, scale, scale_inv, st, use_max));
+    std::vector<float> scale = st.scale, scale_inv(st.n), previous(st.n, -1.0f);
+    const std::vector<float> before = st.scale;
+    DelayedScalingBatch b = batch_of(rows, scale, scale_inv, st, use_max);
+    for (int64_t i = 0; i < st.n; ++i) b.previous[i] = &previous[i];
+    delayed_scaling_update_batch_cpu(b);
     delayed_scaling_update_cpu(st.params(st.history.data(), st.scale.data(), st.scale_inv.data(),
                                          st.fp8_max.data(), 1, use_max));
     const auto want = tensor_major(st);
     for (int64_t i = 0; i < st.n; ++i) EXPECT_TRUE(same_bytes(rows[i], want[i])) << i;
     EXPECT_TRUE(same_bytes(scale, st.scale));
     EXPECT_TRUE(same_bytes(scale_inv, st.scale_inv));
+    EXPECT_TRUE(same_bytes(previous, before));  // each scale as it was before the update
   }
 }
 
@@ -215,21 +219,25 @@ TEST(DelayedScalingBatch, CudaMatchesCpuBytes) {
   for (const int64_t len : {1, 33, 1024}) {
     const State st = random_state(len, DelayedScalingBatch::kMaxTensors, len);
     auto rows = tensor_major(st);
-    std::vector<float> scale = st.scale, scale_inv(st.n);
+    std::vector<float> scale = st.scale, scale_inv(st.n), previous(st.n, -1.0f);
     std::vector<std::unique_ptr<testing::DeviceBuffer<float>>> d_rows;
     for (const auto& r : rows) d_rows.push_back(std::make_unique<testing::DeviceBuffer<float>>(r));
-    testing::DeviceBuffer<float> d_scale(scale), d_scale_inv(scale_inv);
+    testing::DeviceBuffer<float> d_scale(scale), d_scale_inv(scale_inv), d_previous(previous);
     const bool use_max = len != 33;  // most_recent once
     DelayedScalingBatch b = batch_of(rows, scale, scale_inv, st, use_max);
     for (int64_t i = 0; i < st.n; ++i) {
       b.history[i] = d_rows[i]->get(), b.scale[i] = d_scale.get() + i;
       b.scale_inv[i] = d_scale_inv.get() + i;
+      b.previous[i] = i % 2 ? d_previous.get() + i : nullptr;  // (kept for some tensors only)
     }
     TPFP8_CUDA_OK(delayed_scaling_update_batch_cuda(b, nullptr));
-    delayed_scaling_update_batch_cpu(batch_of(rows, scale, scale_inv, st, use_max));
+    DelayedScalingBatch host = batch_of(rows, scale, scale_inv, st, use_max);
+    for (int64_t i = 1; i < st.n; i += 2) host.previous[i] = &previous[i];
+    delayed_scaling_update_batch_cpu(host);
     for (int64_t i = 0; i < st.n; ++i) EXPECT_TRUE(same_bytes(d_rows[i]->to_host(), rows[i])) << i;
     EXPECT_TRUE(same_bytes(d_scale.to_host(), scale));
     EXPECT_TRUE(same_bytes(d_scale_inv.to_host(), scale_inv));
+    EXPECT_TRUE(same_bytes(d_previous.to_host(), previous));
   }
 #endif
 }

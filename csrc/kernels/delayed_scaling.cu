@@ -10,10 +10,13 @@ namespace {
 
 constexpr int kWarpsPerBlock = 8;
 
-// One warp updates one tensor whose history is h[0], h[stride], ... h[(len - 1) * stride].
+// One warp updates one tensor whose history is h[0], h[stride], ... h[(len - 1) * stride],
+// keeping its scale before the update in `previous` where that is set.
 __device__ void update_one(float* h, int64_t stride, int64_t len, bool use_history_max,
-                           float fp8_max, int margin, float* scale, float* scale_inv) {
+                           float fp8_max, int margin, float* scale, float* scale_inv,
+                           float* previous) {
   const int lane = threadIdx.x % 32;
+  if (lane == 0 && previous != nullptr) *previous = *scale;
   if (!usable_amax(h[0])) {  // a bad step is dropped (delayed_scaling.h); every lane agrees
     __syncwarp();
     if (lane == 0) h[0] = 0.0f;
@@ -41,14 +44,14 @@ __global__ void delayed_scaling_kernel(DelayedScalingParams p) {
   const int64_t i = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
   if (i >= p.num_tensors) return;
   update_one(p.amax_history + i, p.num_tensors, p.history_len, p.use_history_max, p.fp8_max[i],
-             p.margin, p.scale + i, p.scale_inv + i);
+             p.margin, p.scale + i, p.scale_inv + i, nullptr);
 }
 
 __global__ void delayed_scaling_batch_kernel(const __grid_constant__ DelayedScalingBatch b) {
   const int i = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
   if (i >= b.num_tensors) return;
   update_one(b.history[i], 1, b.history_len, b.use_history_max, b.fp8_max[i], b.margin, b.scale[i],
-             b.scale_inv[i]);
+             b.scale_inv[i], b.previous[i]);
 }
 
 }  // namespace

@@ -38,6 +38,8 @@ void delayed_scaling_update_cpu(const DelayedScalingParams& p);
 
 // The same update for tensors whose state lives in separate buffers (each module's own), in
 // one launch: tensor i's history is history[i][0 .. history_len), contiguous, newest first.
+// Where previous[i] is set, the scale before the update is written there first (what an
+// activation checkpoint's recompute after the update casts with), in the same launch.
 // Passed by value as kernel parameters, so a captured CUDA graph replays it as it is.
 struct DelayedScalingBatch {
   static constexpr int kMaxTensors = 96;  // keeps the parameters under 4 KB
@@ -48,6 +50,7 @@ struct DelayedScalingBatch {
   float* history[kMaxTensors] = {};
   float* scale[kMaxTensors] = {};
   float* scale_inv[kMaxTensors] = {};
+  float* previous[kMaxTensors] = {};  // (null: not kept)
   float fp8_max[kMaxTensors] = {};
 };
 
