@@ -13,27 +13,28 @@ _state = threading.local()
 
 
 def _stack():
-    if not hasattr(_state, "stack"):
-        _state.stack = []
-    return _state.stack
-
-
-def _top():
-    """The innermost frame: a dict (recipe None: high precision inside a checkpointed block),
-    None for fp8_autocast(enabled=False) or outside any."""
-    stack = _stack()
-    return stack[-1] if stack else None
+    stack = getattr(_state, "stack", None)
+    if stack is None:
+        stack = _state.stack = []
+    return stack
 
 
 def current():
-    """The innermost active FP8 frame (recipe, amax_group, ...), or None in high precision."""
-    top = _top()
+    """The innermost active FP8 frame (recipe, amax_group, ...), or None in high precision
+    (fp8_autocast(enabled=False), or outside any)."""
+    stack = getattr(_state, "stack", None)
+    top = stack[-1] if stack else None
     return top if top is not None and top["recipe"] is not None else None
 
 
-def _frame(recipe, amax_group) -> dict:
-    """A frame for the stack; its exit updates the modules collected in "ran"."""
-    return {"recipe": recipe, "amax_group": amax_group, "ran": {}}
+def frame(recipe, amax_group) -> dict:
+    """A frame for the stack; its exit updates the modules collected in "ran". It also holds
+    what every layer's call reads of its (frozen) recipe, worked out once: the ops' codes, and
+    the key delayed-scaling state is made for."""
+    delayed = isinstance(recipe, DelayedScaling)
+    return {"recipe": recipe, "amax_group": amax_group, "ran": {},
+            "codes": _scaling.recipe_codes(recipe),
+            "key": _scaling.recipe_key(recipe) if delayed else None}
 
 
 @contextlib.contextmanager
@@ -56,14 +57,14 @@ def fp8_autocast(enabled: bool = True, recipe=None, amax_group=None):
     if recipe is None:
         recipe = DelayedScaling()
     _scaling.scaling_code(recipe)  # (refuses anything else)
-    frame = _frame(recipe, amax_group) if enabled else None
-    _stack().append(frame)
+    entered = frame(recipe, amax_group) if enabled else None
+    _stack().append(entered)
     try:
         yield
     finally:
         _stack().pop()
-        if frame is not None:
-            _scaling.update(frame["ran"].values())
+        if entered is not None:
+            _scaling.update(entered["ran"].values())
 
 
 def checkpoint(function, *args, **kwargs):

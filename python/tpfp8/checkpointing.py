@@ -53,10 +53,15 @@ class Checkpoints(NamedTuple):
     run: object
 
 
-def around() -> Checkpoints:
-    """The checkpoints around the forward being called (never while torch.compile traces)."""
+def around() -> Optional[Checkpoints]:
+    """The checkpoints around the forward being called (never while torch.compile traces);
+    None where there are none and it runs outside backward (most calls: answered without
+    building anything)."""
+    packs = _pack_hooks()
+    if not packs and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        return None
     running, recomputed, run = [], None, None
-    for pack in _pack_hooks():
+    for pack in packs:
         frame, is_recompute = _frame_of(pack)
         if frame is None:
             continue

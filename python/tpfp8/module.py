@@ -3,7 +3,6 @@
 linear_forward / linear_backward, csrc/linear_autograd.cpp); this file holds the module's
 parameters, FP8 state (as buffers) and frozen config, and makes the op's arguments."""
 import copy
-import dataclasses
 import glob
 import json
 import math
@@ -244,8 +243,8 @@ class Linear(nn.Linear):
         self._fp8_recipe = recipe
 
     def _state(self) -> tuple:
-        buffers = self._buffers  # (not nn.Module.__getattr__ four times: host time per call)
-        return tuple(buffers[name] for name in _STATE)
+        b = self._buffers  # (not nn.Module.__getattr__ four times: host time per call)
+        return b["fp8_scale"], b["fp8_scale_inv"], b["fp8_amax_history"], b["fp8_grad_amax_history"]
 
     def _keep_state(self, tensors) -> None:
         for name, t in zip(_STATE, tensors):
@@ -353,12 +352,6 @@ class Linear(nn.Linear):
 
     # ---- forward ------------------------------------------------------------------------
 
-    @staticmethod
-    def _check_type(x) -> None:
-        # The values are checked once, in C++ (the op and its fake kernel): ValueError.
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"Linear expects a tensor, got {type(x).__name__}")
-
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         """``x [..., in_features] -> [..., out_features]``.
 
@@ -379,9 +372,12 @@ class Linear(nn.Linear):
         in the GEMMs' dtype, the op's arguments after the input and the state made for them.
         ``input_needs_grad`` overrides ``x.requires_grad`` where ``x`` stands in for an input
         the op makes itself (LayerNormMLP's fc2: fc1's output)."""
+        if not isinstance(x, torch.Tensor):  # (its values are checked once, in C++: ValueError)
+            raise TypeError(f"Linear expects a tensor, got {type(x).__name__}")
         param, config = self.weight, self._config
-        self._check_type(x)
-        checkpoints = None if torch.compiler.is_compiling() else _checkpointing.around()
+        compiling = torch.compiler.is_compiling()
+        # (None: no checkpoint around this forward, and not inside backward -- the usual call)
+        checkpoints = None if compiling else _checkpointing.around()
         repeated = self._repeated(checkpoints)  # (a recompute: the forward it repeats)
         frame = self._recompute_frame(repeated) if repeated is not None else _autocast.current()
         recipe = frame["recipe"] if frame is not None else None
@@ -391,12 +387,12 @@ class Linear(nn.Linear):
             bias_out, bias = bias, None
         if input_needs_grad is None:
             input_needs_grad = x.requires_grad
-        call = self._prepare(config, recipe, frame, param, is_first_microbatch, repeated,
+        call = self._prepare(config, frame, param, is_first_microbatch, repeated,
                              input_needs_grad, x.device)
         a = call.args
-        scale, _, amax_history, grad_amax_history = call.state or (None,) * len(_STATE)
+        scale, _, amax_history, grad_amax_history = call.state or _NO_STATE
         call.x, call.bias, call.bias_out = x, bias, bias_out
-        call.frame, call.checkpoints = frame, checkpoints
+        call.frame, call.checkpoints, call.compiling = frame, checkpoints, compiling
         call.recompute = repeated is not None
         call.vet = checkpoints is not None and checkpoints.in_backward
         call.op_args = (
@@ -413,10 +409,12 @@ class Linear(nn.Linear):
         if call.x.is_meta:
             return
         self._commit(call, self.weight, call.frame, call.recompute)
-        if call.checkpoints is not None and not call.recompute:
+        if call.compiling or call.recompute:
+            return
+        if call.checkpoints is not None:
             _checkpointing.record(self, self._forward_record(call.frame), call.checkpoints)
-            if call.frame is not None and not self._fp8_ran_fp8:  # (frames have recipes)
-                self._fp8_ran_fp8 = True
+        if call.frame is not None and not self._fp8_ran_fp8:  # (frames have recipes)
+            self._fp8_ran_fp8 = True
 
     # ---- what the fused modules change ----------------------------------------------------
 
@@ -432,14 +430,14 @@ class Linear(nn.Linear):
         """What forward returns: y, or (y, bias) with return_bias."""
         return (y, bias) if return_bias else y
 
-    def _prepare(self, config, recipe, frame, param, is_first_microbatch, repeated,
+    def _prepare(self, config, frame, param, is_first_microbatch, repeated,
                  input_needs_grad: bool, device) -> "_Call":
         """The op's arguments for this call, and the state made for it (kept by `_commit`
         once the call succeeded)."""
-        delayed = isinstance(recipe, DelayedScaling)
-        call = _Call(args=None)
-        if delayed:
-            call.state, call.new_state = self._delayed_state(recipe, device)
+        recipe = frame["recipe"] if frame is not None else None
+        call = _Call()
+        if isinstance(recipe, DelayedScaling):
+            call.state, call.new_state = self._delayed_state(recipe, frame["key"], device)
             if repeated is not None:
                 call.replay = self._forward_scales(repeated)
             call.amax_group = _parallel.amax_group_for(self.tp_group, config.sequence_parallel,
@@ -460,7 +458,8 @@ class Linear(nn.Linear):
         grad = torch.is_grad_enabled()
         debug = _debug.options_for(self)
         call.args = _CallArgs(
-            *_scaling.recipe_codes(recipe), cache_mode, debug or (),
+            *(frame["codes"] if frame is not None else _scaling.HIGH_PRECISION), cache_mode,
+            debug or (),
             grad and (input_needs_grad or self._prologue_needs_grad()),
             grad and param.requires_grad, bool(is_first_microbatch),
             recipe is None or config.save_original_input or bool(debug),
@@ -469,15 +468,15 @@ class Linear(nn.Linear):
             not (call.new_state and torch.compiler.is_compiling()))
         return call
 
-    def _delayed_state(self, recipe: DelayedScaling, device):
-        """The state tensors (`_STATE`) for `recipe`, and whether they are new: the
-        module's own buffers, or new tensors made from them (another history length, format or
-        device)."""
+    def _delayed_state(self, recipe: DelayedScaling, key: tuple, device):
+        """The state tensors (`_STATE`) for `recipe` (whose `scaling.recipe_key` is `key`), and
+        whether they are new: the module's own buffers, or new tensors made from them (another
+        history length, format or device)."""
         mine = self._state()
         # By key, not `self._fp8_recipe is recipe`: when both are one object, torch.compile
         # guards it only where it was read first (the autocast frame), so the graph of a later
         # step would also run another model's first call, whose state is not made yet.
-        if self._fp8_recipe_key == _scaling.recipe_key(recipe) and mine[0].device == device:
+        if self._fp8_recipe_key == key and mine[0].device == device:
             return mine, False
         if self._fp8_recipe is None and mine[0].device != device:  # (e.g. left on "meta")
             return _scaling.fresh(recipe, device), True
@@ -528,7 +527,7 @@ class Linear(nn.Linear):
         backward runs does not matter), registering nothing for an update."""
         if repeated.recipe is None:
             return None
-        return {"recipe": repeated.recipe, "amax_group": repeated.amax_group, "ran": {}}
+        return _autocast.frame(repeated.recipe, repeated.amax_group)
 
     def _forward_scales(self, repeated) -> torch.Tensor:
         """The scales the forward being recomputed cast with: today's, or those before the
@@ -554,7 +553,7 @@ class Linear(nn.Linear):
             return
         if call.new_state:
             self._keep_state(call.state)
-        if self._fp8_recipe_key != _scaling.recipe_key(frame["recipe"]):  # (see _delayed_state)
+        if self._fp8_recipe_key != frame["key"]:  # (see _delayed_state)
             self._fp8_recipe = frame["recipe"]
         if self._fp8_amax_group is not call.amax_group:
             self._fp8_amax_group = call.amax_group
@@ -568,7 +567,7 @@ class Linear(nn.Linear):
         """(x, weight, bias) in the dtype the GEMMs run in: torch.autocast's if enabled (the
         FP8 path casts the fp32 master weight itself), else the input's."""
         bias = self.bias
-        if (x.is_floating_point() and not x.is_meta
+        if (_any_autocast() and x.is_floating_point() and not x.is_meta
                 and torch.is_autocast_enabled(x.device.type)):
             dtype = torch.get_autocast_dtype(x.device.type)
             x = x.to(dtype)
@@ -578,6 +577,9 @@ class Linear(nn.Linear):
 
 
 _NO_PROLOGUE = (None, None, int(_C.Prologue.NONE), 0.0, False)
+_NO_STATE = (None, None, None, None)
+# Whether torch.autocast is on for any device: one call, before the per-device question.
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 _WEIGHT_CACHE_NONE, _WEIGHT_CACHE_FILL, _WEIGHT_CACHE_REUSE = (
     int(_C.WeightCache.NONE), int(_C.WeightCache.FILL), int(_C.WeightCache.REUSE))
@@ -626,10 +628,11 @@ class _CallArgs(NamedTuple):
     records_grad_amax: bool
 
 
-@dataclasses.dataclass
 class _Call:
-    """One forward's op arguments and the state made for it."""
-    args: Optional[_CallArgs]
+    """One forward's op arguments and the state made for it. (A plain class whose defaults are
+    class attributes: a call sets only what differs, which costs less host time than a
+    dataclass's __init__.)"""
+    args: Optional[_CallArgs] = None
     state: Optional[tuple] = None  # the `_STATE` tensors, under delayed scaling
     new_state: bool = False
     replay: Optional[torch.Tensor] = None  # a checkpoint recompute's forward scales
@@ -646,6 +649,7 @@ class _Call:
     bias_out: Optional[torch.Tensor] = None
     frame: Optional[dict] = None
     checkpoints: Optional[object] = None
+    compiling: bool = False
     recompute: bool = False
     vet: bool = False
 

@@ -15,7 +15,8 @@ _FORWARD, _BACKWARD = slice(0, 2), slice(2, 3)  # of scale and scale_inv: input,
 # The native codes as plain ints, read once (torch.compile traces ints, not pybind enums).
 _NONE, _DELAYED, _CURRENT = (int(v) for v in (_C.Scaling.NONE, _C.Scaling.DELAYED,
                                               _C.Scaling.CURRENT))
-_HIGH_PRECISION = (_NONE, int(_C.Fp8Format.E4M3), int(_C.Fp8Format.E5M2), 0.0)
+# recipe_codes(None): what a call outside fp8_autocast passes.
+HIGH_PRECISION = (_NONE, int(_C.Fp8Format.E4M3), int(_C.Fp8Format.E5M2), 0.0)
 # The recipes, each with its native scaling code: what fp8_autocast accepts.
 _SCALING = {DelayedScaling: _DELAYED, CurrentScaling: _CURRENT}
 
@@ -32,7 +33,7 @@ def scaling_code(recipe) -> int:
 def recipe_codes(recipe) -> tuple:
     """(scaling, forward format, gradient format, epsilon) as the ops take them."""
     if recipe is None:
-        return _HIGH_PRECISION
+        return HIGH_PRECISION
     code = scaling_code(recipe)
     fwd, grad = recipe.formats
     return code, int(fwd), int(grad), float(getattr(recipe, "amax_epsilon", 0.0))
