@@ -219,6 +219,7 @@ void delayed_scaling_update_many(const std::vector<at::Tensor>& histories,
     if (scale_offsets.empty()) {
       check_output(scales[j], "scale", {h.size(0)}, at::kFloat, ref);
       check_output(scale_invs[j], "scale_inv", {h.size(0)}, at::kFloat, ref);
+      if (!previous.empty()) check_output(previous[j], "previous", {h.size(0)}, at::kFloat, ref);
     } else if (h.size(0) > 0) {  // the slots offset .. offset + n - 1
       for (const int64_t i : {offset, offset + h.size(0) - 1}) {
         f32_slot(scales[j], i, "scale", ref);

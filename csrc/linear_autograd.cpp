@@ -143,6 +143,7 @@ struct Saved : torch::CustomClassHolder {
   Config c;
   OptTensor scale, grad_amax_history, main_grad, prologue_bias;
   std::vector<c10::SymInt> x_shape, y_shape;
+  at::TensorOptions y_options;
   at::ScalarType x_dtype;
   std::optional<at::ScalarType> bias_dtype;
   bool need_dx = false, need_dw = false, need_db = false;
@@ -195,6 +196,7 @@ LayerForward layer_forward(const at::Tensor& x, const Params& p, const Layer& l,
   if (prologue) s->x_shape.back() = p.weight.sym_size(1);  // (the GEMMs' input: in_features)
   s->x_dtype = x.scalar_type();
   s->y_shape = y.sym_sizes().vec();
+  s->y_options = y.options();
   if (p.bias) s->bias_dtype = p.bias->scalar_type();
   s->need_dx = need_dx;
   s->need_dw = p.weight.requires_grad();
@@ -256,10 +258,8 @@ c10::intrusive_ptr<Saved> saved_layer(AutogradContext* ctx, const char* key) {
 // The gradient of a layer's output y: zeros where none came (only the norm output it returned
 // was used). Autograd does not make them: the Functions do not materialize gradients, which
 // spares a zeros kernel for the usually absent norm-output gradient (host time).
-at::Tensor output_grad(const at::Tensor& grad, const Saved& s, const variable_list& saved,
-                       size_t first) {
-  if (grad.defined()) return grad;
-  return at::zeros_symint(s.y_shape, saved[first + kWeight].options().dtype(s.x_dtype));
+at::Tensor output_grad(const at::Tensor& grad, const Saved& s) {
+  return grad.defined() ? grad : at::zeros_symint(s.y_shape, s.y_options);
 }
 
 // The output gradient of a prologue the module returned (a norm output), where one came.
@@ -286,7 +286,7 @@ struct LinearAutograd : torch::autograd::Function<LinearAutograd> {
     const auto s = saved_layer(ctx, "s");
     const auto saved = ctx->get_saved_variables();
     // Grad mode on inside backward means create_graph=True (double backward).
-    const at::Tensor dy = output_grad(grads[0], *s, saved, 0);
+    const at::Tensor dy = output_grad(grads[0], *s);
     if (at::GradMode::is_enabled()) return differentiable_backward(dy, saved, *s);
     const auto g = layer_backward(dy, saved, 0, *s, returned_output_grad(s->c, grads[1]));
     variable_list out(kInputs);
@@ -365,7 +365,7 @@ struct MlpAutograd : torch::autograd::Function<MlpAutograd> {
     if (hands_off(*s1, *s2)) {
       give = {s1->scale, s1->grad_amax_history, s1->need_dgrad(), s1->need_wgrad(), s1->need_db};
     }
-    const at::Tensor dy = output_grad(grads[0], *s2, saved, kSavedPerLayer);
+    const at::Tensor dy = output_grad(grads[0], *s2);
     const auto g2 = layer_backward(dy, saved, kSavedPerLayer, *s2, std::nullopt, give);
     place_grads(g2, *s2, out, {-1, 5, 6, -1, -1});  // (forward's w2, b2; fc2's x is internal)
     const OptTensor norm_grad = returned_output_grad(s1->c, grads[1]);

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 import tpfp8
 from conftest import capture_step, fp8_tight, make, requires_gpu, state_of
@@ -658,3 +659,33 @@ def test_one_module_alternates_recipes():
     assert torch.equal(y_delayed, y_current)  # the same scale as current scaling's now
 
 
+
+
+class _Doubled(nn.Module):
+    def forward(self, t):
+        return 2 * t
+
+
+@pytest.mark.parametrize("names", [("weight", "bias"), ("layer_norm_weight", "layer_norm_bias")])
+def test_parametrized_parameters_are_the_ones_used(device, names):
+    """torch.nn.utils.parametrize moves a parameter out of the module's dict (as weight_norm and
+    FSDP1 do): the layer computes with the parametrized values, and the gradient reaches the
+    original, as for a layer holding those values directly."""
+    torch.manual_seed(0)
+    layer = tpfp8.LayerNormLinear(32, 16, device=device)
+    plain = copy.deepcopy(layer)
+    for name in names:
+        parametrize.register_parametrization(layer, name, _Doubled())
+        setattr(plain, name, nn.Parameter(2 * getattr(plain, name).detach()))
+    x = torch.randn(8, 32, device=device)
+    for recipe in (None, tpfp8.DelayedScaling(), tpfp8.CurrentScaling()):
+        for module in (layer, plain):
+            module.zero_grad(set_to_none=True)
+        with tpfp8.fp8_autocast(enabled=recipe is not None, recipe=recipe):
+            y, want = layer(x), plain(x)
+        assert torch.equal(y, want)
+        y.square().sum().backward()
+        want.square().sum().backward()
+        for name in names:
+            original = getattr(layer.parametrizations, name).original
+            assert torch.equal(original.grad, 2 * getattr(plain, name).grad), name

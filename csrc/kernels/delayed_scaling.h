@@ -54,6 +54,8 @@ struct DelayedScalingBatch {
   float fp8_max[kMaxTensors] = {};
 };
 
+static_assert(sizeof(DelayedScalingBatch) <= 4096, "a kernel parameter: keep it under 4 KB");
+
 cudaError_t delayed_scaling_update_batch_cuda(const DelayedScalingBatch& b, cudaStream_t stream);
 void delayed_scaling_update_batch_cpu(const DelayedScalingBatch& b);
 

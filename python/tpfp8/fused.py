@@ -14,7 +14,7 @@ import torch.fx
 from torch import nn
 
 from . import _C
-from .module import Linear, _run_op
+from .module import Linear, _parameter, _run_op
 
 _NORMS = {"LayerNorm": int(_C.Prologue.LAYER_NORM), "RMSNorm": int(_C.Prologue.RMS_NORM)}
 _ACTIVATIONS = {"gelu": int(_C.Prologue.GELU), "swiglu": int(_C.Prologue.SWIGLU)}
@@ -139,14 +139,11 @@ class LayerNormLinear(_GatedShards, Linear):
         return out
 
     def _prologue(self) -> tuple:
-        # (From the dict: nn.Module.__getattr__ costs ~1.5 us of host time a parameter.)
-        params = self._parameters
-        return (params["layer_norm_weight"], params.get("layer_norm_bias"), self._norm_code,
-                float(self.eps), self.return_layernorm_output)
+        return (_parameter(self, "layer_norm_weight"), _parameter(self, "layer_norm_bias"),
+                self._norm_code, float(self.eps), self.return_layernorm_output)
 
     def _prologue_needs_grad(self) -> bool:
-        params = self._parameters
-        weight, bias = params["layer_norm_weight"], params.get("layer_norm_bias")
+        weight, bias = _parameter(self, "layer_norm_weight"), _parameter(self, "layer_norm_bias")
         return weight.requires_grad or (bias is not None and bias.requires_grad)
 
     def _outputs(self, y, return_bias: bool, bias, prologue_out):

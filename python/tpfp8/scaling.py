@@ -180,8 +180,8 @@ def update(layers: Iterable) -> None:
         batch[4].extend(_cached_maxima(recipe))
         batch[5].append(_previous(layer, state))
     for (_, _, margin, algo, group), batch in batches.items():
-        # (update_layers first copies each scale into `previous`: what a checkpoint's
-        # recompute after this update casts with)
+        # (the update keeps each scale before it in `previous`, in the same launch: what a
+        # checkpoint's recompute after this update casts with)
         _C.update_layers(*batch[:5], margin, algo == "max",
                          "" if group is None else group.group_name, batch[5])
 
