@@ -56,8 +56,10 @@ def fp8_autocast(enabled: bool = True, recipe=None, amax_group=None):
     """
     if recipe is None:
         recipe = DelayedScaling()
-    _scaling.scaling_code(recipe)  # (refuses anything else)
+    # (Anything not a recipe is refused: by the frame's recipe_codes, or here when disabled.)
     entered = frame(recipe, amax_group) if enabled else None
+    if entered is None:
+        _scaling.scaling_code(recipe)
     _stack().append(entered)
     try:
         yield

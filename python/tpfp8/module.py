@@ -393,6 +393,7 @@ class Linear(nn.Linear):
         scale, _, amax_history, grad_amax_history = call.state or _NO_STATE
         call.x, call.bias, call.bias_out = x, bias, bias_out
         call.frame, call.checkpoints, call.compiling = frame, checkpoints, compiling
+        call.param = param
         call.recompute = repeated is not None
         call.vet = checkpoints is not None and checkpoints.in_backward
         call.op_args = (
@@ -408,7 +409,7 @@ class Linear(nn.Linear):
         """After a successful op: keeps what the call made and records it for checkpoints."""
         if call.x.is_meta:
             return
-        self._commit(call, _parameter(self, "weight"), call.frame, call.recompute)
+        self._commit(call, call.param, call.frame, call.recompute)
         if call.compiling or call.recompute:
             return
         if call.checkpoints is not None:
@@ -633,6 +634,7 @@ class _Call:
     class attributes: a call sets only what differs, which costs less host time than a
     dataclass's __init__.)"""
     args: Optional[_CallArgs] = None
+    param: Optional[torch.Tensor] = None  # the weight the op was given
     state: Optional[tuple] = None  # the `_STATE` tensors, under delayed scaling
     new_state: bool = False
     replay: Optional[torch.Tensor] = None  # a checkpoint recompute's forward scales
