@@ -378,31 +378,24 @@ class Linear(nn.Linear):
         compiling = torch.compiler.is_compiling()
         # (None: compiling, or no checkpoint around this forward and not inside backward)
         checkpoints = None if compiling else _checkpointing.around()
-        repeated = self._repeated(checkpoints)  # (a recompute: the forward it repeats)
+        # (a recompute: the forward it repeats)
+        repeated = None if checkpoints is None else self._repeated(checkpoints)
         frame = self._recompute_frame(repeated) if repeated is not None else _autocast.current()
-        recipe = frame["recipe"] if frame is not None else None
-        x, weight, bias = self._compute_dtype(x, param, in_fp8=recipe is not None)
+        weight, bias = param, _parameter(self, "bias")
+        if _any_autocast():  # (one call answers most steps, before the per-device question)
+            x, weight, bias = self._compute_dtype(x, weight, bias, in_fp8=frame is not None)
         bias_out = None
         if config.return_bias:
             bias_out, bias = bias, None
         if input_needs_grad is None:
             input_needs_grad = x.requires_grad
-        call = self._prepare(config, frame, param, is_first_microbatch, repeated,
+        call = self._prepare(config, frame, param, weight, bias, is_first_microbatch, repeated,
                              input_needs_grad, x.device)
-        a = call.args
-        scale, _, amax_history, grad_amax_history = call.state or _NO_STATE
         call.x, call.bias, call.bias_out = x, bias, bias_out
         call.frame, call.checkpoints, call.compiling = frame, checkpoints, compiling
         call.param = param
         call.recompute = repeated is not None
         call.vet = checkpoints is not None and checkpoints.in_backward
-        call.op_args = (
-            weight, bias, scale, amax_history,
-            grad_amax_history if a.records_grad_amax else None, call.replay, *call.weight_cache,
-            call.main_grad, a.scaling, a.fwd_format, a.grad_format, a.epsilon, a.weight_cache,
-            config.save_original_input, config.parallel_mode, config.sequence_parallel,
-            config.group_name, a.debug, a.main_grad_overwrite, a.saves_input, a.need_dgrad,
-            a.need_wgrad, *self._prologue())
         return call
 
     def _end(self, call: "_Call") -> None:
@@ -431,22 +424,22 @@ class Linear(nn.Linear):
         """What forward returns: y, or (y, bias) with return_bias."""
         return (y, bias) if return_bias else y
 
-    def _prepare(self, config, frame, param, is_first_microbatch, repeated,
+    def _prepare(self, config, frame, param, weight, bias, is_first_microbatch, repeated,
                  input_needs_grad: bool, device) -> "_Call":
-        """The op's arguments for this call, and the state made for it (kept by `_commit`
-        once the call succeeded)."""
-        recipe = frame["recipe"] if frame is not None else None
+        """The op's arguments after the input (`weight` and `bias` in the GEMMs' dtype), and
+        the state made for them (kept by `_commit` once the call succeeded)."""
         call = _Call()
-        if isinstance(recipe, DelayedScaling):
-            call.state, call.new_state = self._delayed_state(recipe, frame["key"], device)
+        state = _NO_STATE
+        if frame is not None and frame["key"] is not None:  # (a key: delayed scaling)
+            state, call.new_state = self._delayed_state(frame["recipe"], frame["key"], device)
+            call.state = state
             if repeated is not None:
                 call.replay = self._forward_scales(repeated)
             call.amax_group = _parallel.amax_group_for(self.tp_group, config.sequence_parallel,
                                                        frame["amax_group"])
-        cache_mode, call.weight_cache, call.new_cache = self._weight_cache_for(
-            recipe is not None, is_first_microbatch)
-        fuse = config.fuse_wgrad_accumulation and param.requires_grad
-        if fuse:
+        call.cache_mode, call.weight_cache, call.new_cache = self._weight_cache_for(
+            frame is not None, is_first_microbatch)
+        if config.fuse_wgrad_accumulation and param.requires_grad:
             call.main_grad = getattr(param, "main_grad", None)
             if call.main_grad is None:
                 _refuse_under_compile(
@@ -457,16 +450,22 @@ class Linear(nn.Linear):
                     call.main_grad = call.new_main_grad = torch.zeros_like(
                         param, dtype=torch.float32)
         grad = torch.is_grad_enabled()
+        call.need_dgrad = grad and (input_needs_grad or self._prologue_needs_grad())
+        call.need_wgrad = grad and param.requires_grad
         debug = _debug.options_for(self)
-        call.args = _CallArgs(
-            *(frame["codes"] if frame is not None else _scaling.HIGH_PRECISION), cache_mode,
-            debug or (),
-            grad and (input_needs_grad or self._prologue_needs_grad()),
-            grad and param.requires_grad, bool(is_first_microbatch),
-            recipe is None or config.save_original_input or bool(debug),
+        scale, _, amax_history, grad_amax_history = state
+        if call.new_state and torch.compiler.is_compiling():
             # State made inside a compiled graph cannot be written by its backward: the first
             # compiled step under another history length records no gradient amax.
-            not (call.new_state and torch.compiler.is_compiling()))
+            grad_amax_history = None
+        call.op_args = (
+            weight, bias, scale, amax_history, grad_amax_history, call.replay, *call.weight_cache,
+            call.main_grad, *(frame["codes"] if frame is not None else _scaling.HIGH_PRECISION),
+            call.cache_mode, config.save_original_input, config.parallel_mode,
+            config.sequence_parallel, config.group_name, debug or (), bool(is_first_microbatch),
+            # (backward gets the high-precision input)
+            frame is None or config.save_original_input or bool(debug),
+            call.need_dgrad, call.need_wgrad, *self._prologue())
         return call
 
     def _delayed_state(self, recipe: DelayedScaling, key: tuple, device):
@@ -561,15 +560,14 @@ class Linear(nn.Linear):
         # A recompute records no amax and updates nothing: its step's forward did. A reused
         # weight cache recorded no new amax: the step's update comes with the micro-batch that
         # filled it.
-        if not recompute and call.args.weight_cache != _WEIGHT_CACHE_REUSE:
+        if not recompute and call.cache_mode != _WEIGHT_CACHE_REUSE:
             _autocast.register(frame, self)
 
-    def _compute_dtype(self, x, weight, in_fp8: bool):
+    @staticmethod
+    def _compute_dtype(x, weight, bias, in_fp8: bool):
         """(x, weight, bias) in the dtype the GEMMs run in: torch.autocast's if enabled (the
         FP8 path casts the fp32 master weight itself), else the input's."""
-        bias = _parameter(self, "bias")
-        if (_any_autocast() and x.is_floating_point() and not x.is_meta
-                and torch.is_autocast_enabled(x.device.type)):
+        if x.is_floating_point() and not x.is_meta and torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
             x = x.to(dtype)
             weight = weight if in_fp8 else weight.to(dtype)
@@ -613,34 +611,20 @@ class LinearConfig(NamedTuple):
 _SETTINGS = frozenset(("save_original_input", "fuse_wgrad_accumulation", "return_bias"))
 
 
-class _CallArgs(NamedTuple):
-    """The plain values of one call beside the config (from the recipe, the call's arguments
-    and grad mode, debugging)."""
-    scaling: int
-    fwd_format: int
-    grad_format: int
-    epsilon: float
-    weight_cache: int
-    debug: tuple
-    need_dgrad: bool
-    need_wgrad: bool
-    main_grad_overwrite: bool
-    saves_input: bool  # backward gets the high-precision input
-    records_grad_amax: bool
-
-
 class _Call:
     """One forward's op arguments and the state made for it. (A plain class whose defaults are
     class attributes: a call sets only what differs, which costs less host time than a
     dataclass's __init__.)"""
-    args: Optional[_CallArgs] = None
     param: Optional[torch.Tensor] = None  # the weight the op was given
     state: Optional[tuple] = None  # the `_STATE` tensors, under delayed scaling
     new_state: bool = False
     replay: Optional[torch.Tensor] = None  # a checkpoint recompute's forward scales
     amax_group: Optional[object] = None
+    cache_mode: int = 0  # the op's weight_cache code
     weight_cache: tuple = (None, None, None)
     new_cache: bool = False
+    need_dgrad: bool = False  # the op's: whether backward computes the input's gradient
+    need_wgrad: bool = False  # and the weight's
     main_grad: Optional[torch.Tensor] = None
     new_main_grad: Optional[torch.Tensor] = None
     # Set by `Linear._begin`: the input in the GEMMs' dtype, the op's arguments after it, the
@@ -657,7 +641,7 @@ class _Call:
 
     def gives_grad(self) -> bool:
         """Whether the op's output will be differentiated (its input or a parameter needs it)."""
-        return self.args.need_dgrad or self.args.need_wgrad or (
+        return self.need_dgrad or self.need_wgrad or (
             torch.is_grad_enabled() and self.bias is not None and self.bias.requires_grad)
 
 

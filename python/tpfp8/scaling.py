@@ -23,6 +23,9 @@ _SCALING = {DelayedScaling: _DELAYED, CurrentScaling: _CURRENT}
 
 def scaling_code(recipe) -> int:
     """The recipe's native scaling code; ValueError for anything not a recipe."""
+    code = _SCALING.get(type(recipe))  # (a lookup answers once a step; subclasses: below)
+    if code is not None:
+        return code
     for kind, code in _SCALING.items():
         if isinstance(recipe, kind):
             return code
@@ -160,30 +163,34 @@ def from_tensor(saved: torch.Tensor, device) -> tuple:
     return state, recipe
 
 
-def update(layers: Iterable) -> None:
-    """Rolls the histories and updates the scales of many layers at once: per device,
-    history length, recipe and amax group, one all-reduce of all the newest amaxes (tensor
+def update(layers: Iterable, recipe: DelayedScaling) -> None:
+    """Rolls the histories and updates the scales of many layers at once, all following
+    `recipe` (the layers one fp8_autocast block ran: their state was made for its recipe's
+    `recipe_key`): per device and amax group, one all-reduce of all the newest amaxes (tensor
     parallelism) and one launch per 96 tensors, on each layer's own buffers. Every rank of an
     amax group calls this with its layers in the same order (the order their forwards ran)."""
     batches = {}
     for layer in layers:
-        state, recipe, group = layer._buffers, layer._fp8_recipe, layer._fp8_amax_group
-        history = state["fp8_amax_history"]
-        key = (history.device, history.shape[1], recipe.margin, recipe.amax_compute_algo, group)
+        state, group = layer._buffers, layer._fp8_amax_group
+        scale = state["fp8_scale"]
+        key = (scale.device, group)
         batch = batches.get(key)
         if batch is None:
-            batch = batches[key] = ([], [], [], [], [], [])
-        batch[0].append(state["fp8_scale"])
+            batch = batches[key] = ([], [], [], [], [])
+        batch[0].append(scale)
         batch[1].append(state["fp8_scale_inv"])
-        batch[2].append(history)
+        batch[2].append(state["fp8_amax_history"])
         batch[3].append(state["fp8_grad_amax_history"])
-        batch[4].extend(_cached_maxima(recipe))
-        batch[5].append(_previous(layer, state))
-    for (_, _, margin, algo, group), batch in batches.items():
+        batch[4].append(_previous(layer, state))
+    if not batches:
+        return
+    fp8_max, use_history_max = _cached_maxima(recipe), recipe.amax_compute_algo == "max"
+    for (_, group), (scales, scale_invs, histories, grad_histories, previous) in batches.items():
         # (the update keeps each scale before it in `previous`, in the same launch: what a
         # checkpoint's recompute after this update casts with)
-        _C.update_layers(*batch[:5], margin, algo == "max",
-                         "" if group is None else group.group_name, batch[5])
+        _C.update_layers(scales, scale_invs, histories, grad_histories, fp8_max * len(scales),
+                         recipe.margin, use_history_max,
+                         "" if group is None else group.group_name, previous)
 
 
 def _previous(layer, state: dict) -> torch.Tensor:
