@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
 #include "backward_guard.h"
+#include "eager_op.h"
 #include "kernels/gemm.h"
 #include "kernels/norm_cast.h"
 #include "linear.h"
@@ -115,4 +116,5 @@ PYBIND11_MODULE(_C, m) {
       py::call_guard<py::gil_scoped_release>(),
       "Sequence-parallel FP8 gather with current scaling: (gathered row-wise uint8 codes, "
       "shared scale_inv)");
+  bind_eager_op(m);
 }

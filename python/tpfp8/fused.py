@@ -14,7 +14,7 @@ import torch.fx
 from torch import nn
 
 from . import _C
-from .module import Linear, _parameter, _run_op
+from .module import _MLP, Linear, _parameter, _run_op
 
 _NORMS = {"LayerNorm": int(_C.Prologue.LAYER_NORM), "RMSNorm": int(_C.Prologue.RMS_NORM)}
 _ACTIVATIONS = {"gelu": int(_C.Prologue.GELU), "swiglu": int(_C.Prologue.SWIGLU)}
@@ -237,7 +237,7 @@ class _TwoLayers(nn.Module):
         fc1, fc2 = self.fc1, self.fc2
         first = fc1._begin(x, is_first_microbatch)
         second = fc2._begin(first.x, is_first_microbatch, input_needs_grad=first.gives_grad())
-        y, normalized = _run_op(first.vet or second.vet, torch.ops.tpfp8.mlp, first.x,
+        y, normalized = _run_op(first.vet or second.vet, first.compiling, _MLP, first.x,
                                 *first.op_args, *second.op_args)
         fc1._end(first)
         fc2._end(second)

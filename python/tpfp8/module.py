@@ -363,7 +363,7 @@ class Linear(nn.Linear):
         On the meta device it gives the output's shape and dtype and keeps nothing.
         """
         call = self._begin(x, is_first_microbatch)
-        y, prologue_out = _run_op(call.vet, torch.ops.tpfp8.linear, call.x, *call.op_args)
+        y, prologue_out = _run_op(call.vet, call.compiling, _LINEAR, call.x, *call.op_args)
         self._end(call)
         return self._outputs(y, self._config.return_bias, call.bias_out, prologue_out)
 
@@ -657,16 +657,28 @@ def _parameter(module: nn.Module, name: str):
 _MISSING = object()
 
 
-def _run_op(vet: bool, op, *args):
-    """op(*args); with `vet` (a checkpoint's recompute inside backward, matched by the module)
-    marked as checked, since the op refuses forwards inside backward otherwise."""
-    if vet:
-        _C.set_forward_vetted(True)
+def _run_op(vet: bool, compiling: bool, op: tuple, *args):
+    """One of the ops (`op`: as torch.compile traces it, and as eager calls run it) on `args`;
+    with `vet` (a checkpoint's recompute inside backward, matched by the module) marked as
+    checked, since the op refuses forwards inside backward otherwise."""
+    run = op[0] if compiling else op[1]
+    if not vet:
+        return run(*args)
+    _C.set_forward_vetted(True)
     try:
-        return op(*args)
+        return run(*args)
     finally:
-        if vet:
-            _C.set_forward_vetted(False)
+        _C.set_forward_vetted(False)
+
+
+def _op(name: str) -> tuple:
+    """torch.ops.tpfp8.<name> as torch.compile traces it, and the same op as eager calls run it
+    (`_C.EagerOp`: its arguments converted with less host time than torch.ops converts them)."""
+    traced = getattr(torch.ops.tpfp8, name)
+    return traced, _C.EagerOp(f"tpfp8::{name}", traced)
+
+
+_LINEAR, _MLP = _op("linear"), _op("mlp")
 
 
 def _moved(fn, t: torch.Tensor) -> torch.Tensor:
