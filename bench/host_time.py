@@ -110,8 +110,7 @@ def primitives(device, size):
             x, one, u8, u8, one, one, 0),
         "tpfp8 FP8 gemm op": lambda: gemm(u8, u8, x, one, one, 3, 3, None, False, True, False,
                                           False),
-        "delayed-scaling update (1 module)": lambda: tpfp8.scaling.update(
-            [ours], ours.fp8_state["recipe"]),
+        "delayed-scaling update (1 module)": lambda: tpfp8.scaling.update([ours]),
         "linear_forward op FP8 (no grad)": lambda: forward_op(
             x, weight, None, *state, None, None, None, None, 1, 0, 1, 0.0, 0, False, 0,
             False, "", [], False, False),

@@ -59,23 +59,40 @@ class EagerOp {
     const c10::TypePtr& type = arg.real_type();
     const c10::TypeKind kind = type->kind();
     PyObject* p = obj.ptr();
-    const bool tensor = kind == c10::TypeKind::TensorType ||
-                        (kind == c10::TypeKind::OptionalType &&
-                         type->expectRef<c10::OptionalType>().getElementType()->kind() ==
-                             c10::TypeKind::TensorType);
-    if (tensor && p == Py_None && kind == c10::TypeKind::OptionalType) {
+    const bool is_tensor = PyObject_TypeCheck(p, reinterpret_cast<PyTypeObject*>(THPVariableClass));
+    if (is_tensor && !THPVariable_CheckExact(p) && overrides_torch_function(obj)) return false;
+    const bool tensor_arg = kind == c10::TypeKind::TensorType ||
+                            (kind == c10::TypeKind::OptionalType &&
+                             type->expectRef<c10::OptionalType>().getElementType()->kind() ==
+                                 c10::TypeKind::TensorType);
+    int overflow = 0;
+    if (tensor_arg && p == Py_None && kind == c10::TypeKind::OptionalType) {
       stack.emplace_back();
-    } else if (tensor && PyObject_TypeCheck(p, reinterpret_cast<PyTypeObject*>(THPVariableClass))) {
-      if (!THPVariable_CheckExact(p) && overrides_torch_function(obj)) return false;
+    } else if (tensor_arg && is_tensor) {
       stack.emplace_back(THPVariable_Unpack(p));
     } else if (kind == c10::TypeKind::IntType && PyLong_CheckExact(p)) {
-      stack.emplace_back(static_cast<int64_t>(PyLong_AsLongLong(p)));
+      const long long value = PyLong_AsLongLongAndOverflow(p, &overflow);
+      if (overflow) return convert(obj, arg, stack);  // (torch's error: out of int64's range)
+      stack.emplace_back(static_cast<int64_t>(value));
     } else if (kind == c10::TypeKind::BoolType && PyBool_Check(p)) {
       stack.emplace_back(p == Py_True);
     } else if (kind == c10::TypeKind::FloatType && PyFloat_CheckExact(p)) {
       stack.emplace_back(PyFloat_AS_DOUBLE(p));
-    } else {  // anything else (another type, a number of another kind): torch's conversion
-      stack.push_back(torch::jit::toIValue(obj, type));
+    } else {
+      return convert(obj, arg, stack);
+    }
+    return true;
+  }
+
+  // Anything else (another type, a number of another kind): torch's own conversion, its failure
+  // a TypeError that names the argument.
+  bool convert(py::handle obj, const c10::Argument& arg, torch::jit::Stack& stack) const {
+    try {
+      stack.push_back(torch::jit::toIValue(obj, arg.real_type()));
+    } catch (const std::exception& e) {
+      TORCH_CHECK_TYPE(false, op_.schema().name(), ": argument '", arg.name(), "' must be ",
+                       arg.real_type()->repr_str(), ", got ", Py_TYPE(obj.ptr())->tp_name, " (",
+                       e.what(), ")");
     }
     return true;
   }

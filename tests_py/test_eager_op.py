@@ -106,8 +106,11 @@ def test_bad_calls_are_refused_as_torch_ops_refuses_them():
         op(x, w, *([None] * 40))
     with pytest.raises(TypeError, match="missing argument 'scale'"):
         op(x, w, None)
-    with pytest.raises(Exception):  # (torch's own conversion: a string is no tensor)
-        op(x, "w", *([None] * 8), 0, 0, 1, 0.0, 0, False, 0, False, "", [], False, True, True,
-           True)
+    values = (0, 0, 1, 0.0, 0, False, 0, False, "", [], False, True, True, True)
+    torch.testing.assert_close(op(x, w, *([None] * 9), *values)[0], x @ w.t())
+    with pytest.raises(TypeError, match="argument 'weight' must be Tensor, got str"):
+        op(x, "w", *([None] * 9), *values)
+    with pytest.raises(TypeError, match="argument 'scaling' must be int"):
+        op(x, w, *([None] * 9), 2**64, *values[1:])
     with pytest.raises(RuntimeError, match="tpfp8::nothing"):
         tpfp8._C.EagerOp("tpfp8::nothing", torch.ops.tpfp8.linear)

@@ -161,6 +161,26 @@ def test_backward_amax_is_applied_at_the_next_fp8_autocast_exit():
     assert float(bwd_state(lin)["amax_history"][1, 0]) == amax
 
 
+def test_a_layer_an_inner_block_ran_under_another_recipe_is_updated_by_that_one():
+    """The outer block's exit updates a layer that an inner fp8_autocast block switched to its
+    own recipe (another history length and format) by the inner recipe, not the outer."""
+    outer = tpfp8.DelayedScaling(amax_history_len=16)  # (hybrid: E5M2 gradients)
+    inner = tpfp8.DelayedScaling(fp8_format="e4m3", amax_history_len=4)
+    a, b = make(seed=8)[0], make(seed=9)[0]
+    x, dy = torch.randn(16, 32), torch.randn(16, 48) * 3
+    with tpfp8.fp8_autocast(recipe=outer):
+        a(x)
+        b(x)
+        with tpfp8.fp8_autocast(recipe=inner):
+            y = b(x)
+        y.backward(dy)
+    assert a.fp8_state["recipe"] == outer and b.fp8_state["recipe"] == inner
+    assert b.fp8_amax_history.shape == (2, 4) and a.fp8_amax_history.shape == (2, 16)
+    amax = np.float32(dy.abs().max())
+    assert float(bwd_state(b)["amax_history"][1, 0]) == amax
+    assert float(bwd_state(b)["scale"][0]) == np.float32(448.0) / amax
+
+
 def test_save_original_input_is_bit_identical_with_current_scaling():
     x, dy = torch.randn(4, 16, 32), torch.randn(4, 16, 48)
     def ctx():

@@ -66,7 +66,7 @@ def fp8_autocast(enabled: bool = True, recipe=None, amax_group=None):
     finally:
         _stack().pop()
         if entered is not None:
-            _scaling.update(entered["ran"].values(), recipe)
+            _scaling.update(entered["ran"].values())
 
 
 def checkpoint(function, *args, **kwargs):

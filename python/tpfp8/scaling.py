@@ -163,33 +163,32 @@ def from_tensor(saved: torch.Tensor, device) -> tuple:
     return state, recipe
 
 
-def update(layers: Iterable, recipe: DelayedScaling) -> None:
-    """Rolls the histories and updates the scales of many layers at once, all following
-    `recipe` (the layers one fp8_autocast block ran: their state was made for its recipe's
-    `recipe_key`): per device and amax group, one all-reduce of all the newest amaxes (tensor
+def update(layers: Iterable) -> None:
+    """Rolls the histories and updates the scales of many layers at once, each by the recipe
+    its state follows (a layer that an inner fp8_autocast block ran under another recipe follows
+    that one): per device, recipe and amax group, one all-reduce of all the newest amaxes (tensor
     parallelism) and one launch per 96 tensors, on each layer's own buffers. Every rank of an
     amax group calls this with its layers in the same order (the order their forwards ran)."""
     batches = {}
     for layer in layers:
-        state, group = layer._buffers, layer._fp8_amax_group
+        state = layer._buffers
         scale = state["fp8_scale"]
-        key = (scale.device, group)
+        key = (scale.device, layer._fp8_recipe_key, layer._fp8_amax_group)
         batch = batches.get(key)
         if batch is None:
-            batch = batches[key] = ([], [], [], [], [])
-        batch[0].append(scale)
-        batch[1].append(state["fp8_scale_inv"])
-        batch[2].append(state["fp8_amax_history"])
-        batch[3].append(state["fp8_grad_amax_history"])
-        batch[4].append(_previous(layer, state))
-    if not batches:
-        return
-    fp8_max, use_history_max = _cached_maxima(recipe), recipe.amax_compute_algo == "max"
-    for (_, group), (scales, scale_invs, histories, grad_histories, previous) in batches.items():
+            batch = batches[key] = (layer._fp8_recipe, [], [], [], [], [])
+        batch[1].append(scale)
+        batch[2].append(state["fp8_scale_inv"])
+        batch[3].append(state["fp8_amax_history"])
+        batch[4].append(state["fp8_grad_amax_history"])
+        batch[5].append(_previous(layer, state))
+    for (_, _, group), (recipe, scales, scale_invs, histories, grad_histories, previous) in \
+            batches.items():
         # (the update keeps each scale before it in `previous`, in the same launch: what a
         # checkpoint's recompute after this update casts with)
-        _C.update_layers(scales, scale_invs, histories, grad_histories, fp8_max * len(scales),
-                         recipe.margin, use_history_max,
+        _C.update_layers(scales, scale_invs, histories, grad_histories,
+                         _cached_maxima(recipe) * len(scales), recipe.margin,
+                         recipe.amax_compute_algo == "max",
                          "" if group is None else group.group_name, previous)
 
 
