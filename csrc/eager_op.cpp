@@ -72,7 +72,8 @@ class EagerOp {
       stack.emplace_back(THPVariable_Unpack(p));
     } else if (kind == c10::TypeKind::IntType && PyLong_CheckExact(p)) {
       const long long value = PyLong_AsLongLongAndOverflow(p, &overflow);
-      if (overflow) return convert(obj, arg, stack);  // (torch's error: out of int64's range)
+      TORCH_CHECK_TYPE(!overflow, op_.schema().name(), ": argument '", arg.name(),
+                       "' is out of int64's range");
       stack.emplace_back(static_cast<int64_t>(value));
     } else if (kind == c10::TypeKind::BoolType && PyBool_Check(p)) {
       stack.emplace_back(p == Py_True);
@@ -89,10 +90,9 @@ class EagerOp {
   bool convert(py::handle obj, const c10::Argument& arg, torch::jit::Stack& stack) const {
     try {
       stack.push_back(torch::jit::toIValue(obj, arg.real_type()));
-    } catch (const std::exception& e) {
+    } catch (const std::exception&) {  // (pybind's cast error says nothing more)
       TORCH_CHECK_TYPE(false, op_.schema().name(), ": argument '", arg.name(), "' must be ",
-                       arg.real_type()->repr_str(), ", got ", Py_TYPE(obj.ptr())->tp_name, " (",
-                       e.what(), ")");
+                       arg.real_type()->repr_str(), ", got ", Py_TYPE(obj.ptr())->tp_name);
     }
     return true;
   }

@@ -110,7 +110,9 @@ def test_bad_calls_are_refused_as_torch_ops_refuses_them():
     torch.testing.assert_close(op(x, w, *([None] * 9), *values)[0], x @ w.t())
     with pytest.raises(TypeError, match="argument 'weight' must be Tensor, got str"):
         op(x, "w", *([None] * 9), *values)
-    with pytest.raises(TypeError, match="argument 'scaling' must be int"):
+    with pytest.raises(TypeError, match="argument 'scaling' is out of int64's range"):
         op(x, w, *([None] * 9), 2**64, *values[1:])
+    with pytest.raises(TypeError, match="argument 'group_name' must be str, got NoneType"):
+        op(x, w, *([None] * 9), *values[:8], None, *values[9:])
     with pytest.raises(RuntimeError, match="tpfp8::nothing"):
         tpfp8._C.EagerOp("tpfp8::nothing", torch.ops.tpfp8.linear)
