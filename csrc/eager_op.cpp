@@ -1,13 +1,13 @@
 // tpfp8._C.EagerOp: the modules' eager calls of their ops (torch.ops.tpfp8.linear / mlp) with
 // less host time than torch.ops. torch.ops' generic path asks every argument whether it
 // overrides __torch_function__ and converts each through torch::jit::toIValue, whose isinstance
-// checks cost ~800 instructions an argument; a Linear call has 30: ~45k instructions, more than
-// the module's own Python (session 31, callgrind). Here the schema's few argument types are
-// converted directly and the op runs through the same dispatcher entry (callBoxed, without the
-// GIL, as torch.ops runs it), so autograd, fake tensors, dispatch modes and profiling see the
-// same op. Calls __torch_function__ must see -- a torch-function mode, a tensor subclass that
-// overrides it -- go through torch.ops itself, as do the calls torch.compile traces (the modules
-// choose torch.ops there).
+// checks cost ~800 instructions an argument; a Linear call has 30: ~61k instructions outside the
+// op's kernel, more than the module's own Python, against 11k here (session 31, callgrind;
+// bench/RESULTS.md). Here the schema's few argument types are converted directly and the op runs
+// through the same dispatcher entry (callBoxed, without the GIL, as torch.ops runs it), so
+// autograd, fake tensors, dispatch modes and profiling see the same op. Calls __torch_function__
+// must see -- a torch-function mode, a tensor subclass that overrides it -- go through torch.ops
+// itself, as do the calls torch.compile traces (the modules choose torch.ops there).
 #include "eager_op.h"
 
 #include <ATen/PythonTorchFunctionTLS.h>
