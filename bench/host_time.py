@@ -97,8 +97,12 @@ def primitives(device, size):
     u8 = torch.empty(size, size, device=device, dtype=torch.uint8)
     one = torch.ones(1, device=device)
     ours = tpfp8.Linear(size, size, bias=False, device=device, dtype=torch.bfloat16)
+    # A model's step updates all its layers at once: the update's cost per layer.
+    many = [tpfp8.Linear(size, size, bias=False, device=device, dtype=torch.bfloat16)
+            for _ in range(_MANY)]
     with tpfp8.fp8_autocast(recipe=tpfp8.DelayedScaling()):
-        ours(x)
+        for layer in [ours] + many:
+            layer(x)
     state = (ours.fp8_scale, ours.fp8_amax_history)
     forward_op = torch.ops.tpfp8.linear_forward
     weight = ours.weight.detach()  # (the op alone has no autograd: it refuses grad inputs)
@@ -111,10 +115,14 @@ def primitives(device, size):
         "tpfp8 FP8 gemm op": lambda: gemm(u8, u8, x, one, one, 3, 3, None, False, True, False,
                                           False),
         "delayed-scaling update (1 module)": lambda: tpfp8.scaling.update([ours]),
+        f"delayed-scaling update ({_MANY} modules)": lambda: tpfp8.scaling.update(many),
         "linear_forward op FP8 (no grad)": lambda: forward_op(
             x, weight, None, *state, None, None, None, None, 1, 0, 1, 0.0, 0, False, 0,
             False, "", [], False, False),
     }
+
+
+_MANY = 64
 
 
 def main(argv=None):
@@ -132,6 +140,8 @@ def main(argv=None):
     for name, fn in primitives(args.device, args.size).items():
         results[name] = per_call_us(fn, args.device)
         print(f"{name:32s} {results[name]:8.1f} us", flush=True)
+    many = results[f"delayed-scaling update ({_MANY} modules)"]
+    print(f"delayed-scaling update: {many / _MANY:.2f} us a module ({_MANY} modules at once)")
     base = results["nn.Linear fwd+bwd"]
     for name in ("tpfp8 delayed fwd+bwd", "tpfp8 current fwd+bwd"):
         print(f"{name} / nn.Linear fwd+bwd: {results[name] / base:.2f}x host time")
