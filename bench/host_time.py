@@ -18,6 +18,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tpfp8  # noqa: E402
 
+_MANY = 64  # the layers whose delayed-scaling update is timed together, as a model's step does
+
 
 def per_call_us(fn, device, n=2000, rounds=5):
     """Best-of-rounds mean wall time per call; the GPU is waited for between rounds only."""
@@ -92,12 +94,12 @@ def cases(device, size):
 
 def primitives(device, size):
     """Host cost of the pieces a step is made of: an allocation, a torch GEMM, tpfp8's cast
-    and GEMM ops, the delayed-scaling update, and the Linear's forward op alone."""
+    and GEMM ops, the delayed-scaling update (of one module, and of `_MANY` at once), and the
+    Linear's forward op alone."""
     x = torch.randn(size, size, device=device, dtype=torch.bfloat16)
     u8 = torch.empty(size, size, device=device, dtype=torch.uint8)
     one = torch.ones(1, device=device)
     ours = tpfp8.Linear(size, size, bias=False, device=device, dtype=torch.bfloat16)
-    # A model's step updates all its layers at once: the update's cost per layer.
     many = [tpfp8.Linear(size, size, bias=False, device=device, dtype=torch.bfloat16)
             for _ in range(_MANY)]
     with tpfp8.fp8_autocast(recipe=tpfp8.DelayedScaling()):
@@ -120,9 +122,6 @@ def primitives(device, size):
             x, weight, None, *state, None, None, None, None, 1, 0, 1, 0.0, 0, False, 0,
             False, "", [], False, False),
     }
-
-
-_MANY = 64
 
 
 def main(argv=None):
