@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tpfp8  # noqa: E402
 
 _MANY = 64  # the layers whose delayed-scaling update is timed together, as a model's step does
+_MANY_UPDATE = f"delayed-scaling update ({_MANY} modules)"
 
 
 def per_call_us(fn, device, n=2000, rounds=5):
@@ -117,7 +118,7 @@ def primitives(device, size):
         "tpfp8 FP8 gemm op": lambda: gemm(u8, u8, x, one, one, 3, 3, None, False, True, False,
                                           False),
         "delayed-scaling update (1 module)": lambda: tpfp8.scaling.update([ours]),
-        f"delayed-scaling update ({_MANY} modules)": lambda: tpfp8.scaling.update(many),
+        _MANY_UPDATE: lambda: tpfp8.scaling.update(many),
         "linear_forward op FP8 (no grad)": lambda: forward_op(
             x, weight, None, *state, None, None, None, None, 1, 0, 1, 0.0, 0, False, 0,
             False, "", [], False, False),
@@ -139,8 +140,8 @@ def main(argv=None):
     for name, fn in primitives(args.device, args.size).items():
         results[name] = per_call_us(fn, args.device)
         print(f"{name:32s} {results[name]:8.1f} us", flush=True)
-    many = results[f"delayed-scaling update ({_MANY} modules)"]
-    print(f"delayed-scaling update: {many / _MANY:.2f} us a module ({_MANY} modules at once)")
+    per_module = results[_MANY_UPDATE] / _MANY
+    print(f"delayed-scaling update: {per_module:.2f} us a module ({_MANY} modules at once)")
     base = results["nn.Linear fwd+bwd"]
     for name in ("tpfp8 delayed fwd+bwd", "tpfp8 current fwd+bwd"):
         print(f"{name} / nn.Linear fwd+bwd: {results[name] / base:.2f}x host time")
