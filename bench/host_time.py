@@ -2,7 +2,8 @@
 work is negligible, so what is timed is what the host spends issuing it -- the cost that
 decides small and mid-size layers. Parts are timed separately: the forward alone, forward +
 backward (a training step: gradients set to None first), fp8_autocast's enter and exit, and
-the forward op called alone.
+the forward op called alone. The ratios to nn.Linear are also taken from paired rounds (both
+timed back to back), the measure to compare across runs on a noisy host.
 
   python bench/host_time.py              # on the GPU
   python bench/host_time.py --profile    # plus a torch.profiler table of one FP8 step
@@ -37,6 +38,30 @@ def per_call_us(fn, device, n=2000, rounds=5):
             torch.cuda.synchronize()
         best = min(best, (time.perf_counter() - t0) / n * 1e6)
     return best
+
+
+def paired_ratio(base, fn, device, n=300, rounds=15):
+    """fn's host time over base's, each round timing both back to back (in alternating
+    order), so that both see the same state of a noisy host: (median, lowest, highest) of the
+    rounds' ratios."""
+    for _ in range(100):
+        base()
+        fn()
+    ratios = []
+    for r in range(rounds):
+        times = {}
+        for which in ((base, fn) if r % 2 == 0 else (fn, base)):
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                which()
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            times[which] = time.perf_counter() - t0
+        ratios.append(times[fn] / times[base])
+    ratios.sort()
+    return ratios[len(ratios) // 2], ratios[0], ratios[-1]
 
 
 def cases(device, size):
@@ -145,6 +170,11 @@ def main(argv=None):
     base = results["nn.Linear fwd+bwd"]
     for name in ("tpfp8 delayed fwd+bwd", "tpfp8 current fwd+bwd"):
         print(f"{name} / nn.Linear fwd+bwd: {results[name] / base:.2f}x host time")
+    steps = cases(args.device, args.size)
+    for name in ("tpfp8 delayed fwd+bwd", "tpfp8 current fwd+bwd"):
+        median, low, high = paired_ratio(steps["nn.Linear fwd+bwd"], steps[name], args.device)
+        print(f"{name} / nn.Linear fwd+bwd, paired rounds: {median:.2f}x host time "
+              f"(median; {low:.2f}-{high:.2f})", flush=True)
     if args.profile:
         run = cases(args.device, args.size)["tpfp8 delayed fwd+bwd"]
         for _ in range(20):

@@ -12,6 +12,7 @@
 #include "kernels/gemm.h"
 #include "kernels/norm_cast.h"
 #include "linear.h"
+#include "update_plan.h"
 
 namespace py = pybind11;
 
@@ -83,22 +84,6 @@ PYBIND11_MODULE(_C, m) {
                              prologue_eps);
       },
       "Raises ValueError unless linear_forward can run these arguments (its fake kernel's check)");
-  m.def(
-      "update_layers",
-      [](const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& scale_invs,
-         const std::vector<at::Tensor>& histories, const std::vector<at::Tensor>& grad_histories,
-         const std::vector<double>& fp8_max, int64_t margin, bool use_history_max,
-         const std::string& amax_group, const std::vector<at::Tensor>& previous) {
-        update_layers(
-            scales, scale_invs, histories, grad_histories, fp8_max, margin, use_history_max,
-            amax_group.empty() ? ProcessGroupPtr() : c10d::resolve_process_group(amax_group),
-            previous);
-      },
-      py::arg("scales"), py::arg("scale_invs"), py::arg("histories"), py::arg("grad_histories"),
-      py::arg("fp8_max"), py::arg("margin"), py::arg("use_history_max"), py::arg("amax_group"),
-      py::arg("previous") = std::vector<at::Tensor>(), py::call_guard<py::gil_scoped_release>(),
-      "Delayed-scaling update of many layers' states now (amaxes all-reduced over the named "
-      "group first, if any); `previous`, if given, receives each layer's scales before it");
   m.def("set_forward_vetted", &set_forward_vetted, py::arg("vetted"),
         "Marks this thread's next Linear forward ops as checked by the module inside a backward "
         "pass (an activation checkpoint's recompute); see csrc/backward_guard.h");
@@ -117,4 +102,5 @@ PYBIND11_MODULE(_C, m) {
       "Sequence-parallel FP8 gather with current scaling: (gathered row-wise uint8 codes, "
       "shared scale_inv)");
   bind_eager_op(m);
+  bind_update_plan(m);
 }

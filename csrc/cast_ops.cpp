@@ -186,12 +186,10 @@ void delayed_scaling_update(at::Tensor& amax_history, at::Tensor& scale, at::Ten
       [&](cudaStream_t s) { return delayed_scaling_update_cuda(p, s); });
 }
 
-void delayed_scaling_update_many(const std::vector<at::Tensor>& histories,
-                                 const std::vector<at::Tensor>& scales,
-                                 const std::vector<at::Tensor>& scale_invs,
-                                 const std::vector<double>& fp8_max, int64_t margin,
-                                 bool use_history_max, at::IntArrayRef scale_offsets,
-                                 const std::vector<at::Tensor>& previous) {
+std::vector<DelayedScalingBatch> delayed_scaling_batches(
+    const std::vector<at::Tensor>& histories, const std::vector<at::Tensor>& scales,
+    const std::vector<at::Tensor>& scale_invs, const std::vector<double>& fp8_max, int64_t margin,
+    bool use_history_max, at::IntArrayRef scale_offsets, const std::vector<at::Tensor>& previous) {
   TORCH_CHECK_VALUE(histories.size() == scales.size() && histories.size() == scale_invs.size(),
                     "delayed_scaling_update_many needs one scale and scale_inv per history, got ",
                     histories.size(), " histories, ", scales.size(), " scales, ", scale_invs.size(),
@@ -204,7 +202,7 @@ void delayed_scaling_update_many(const std::vector<at::Tensor>& histories,
   TORCH_CHECK_VALUE(previous.empty() || previous.size() == histories.size(),
                     "previous needs one buffer per history (", histories.size(), "), got ",
                     previous.size());
-  if (histories.empty()) return;
+  if (histories.empty()) return {};
   const at::Tensor& ref = histories[0];
   int64_t total = 0;
   for (size_t j = 0; j < histories.size(); ++j) {
@@ -231,20 +229,17 @@ void delayed_scaling_update_many(const std::vector<at::Tensor>& histories,
   }
   TORCH_CHECK_VALUE(static_cast<int64_t>(fp8_max.size()) == total,
                     "fp8_max needs one value per tensor (", total, "), got ", fp8_max.size());
-  DelayedScalingBatch b;
-  b.history_len = ref.size(1);
-  b.margin = static_cast<int>(margin);
-  b.use_history_max = use_history_max;
-  auto flush = [&] {
-    run_on_device(
-        ref, [&] { delayed_scaling_update_batch_cpu(b); },
-        [&](cudaStream_t s) { return delayed_scaling_update_batch_cuda(b, s); });
-    b.num_tensors = 0;
-  };
+  std::vector<DelayedScalingBatch> batches;
   int64_t flat = 0;
   for (size_t j = 0; j < histories.size(); ++j) {
     for (int64_t i = 0; i < histories[j].size(0); ++i, ++flat) {
-      if (b.num_tensors == DelayedScalingBatch::kMaxTensors) flush();
+      if (batches.empty() || batches.back().num_tensors == DelayedScalingBatch::kMaxTensors) {
+        DelayedScalingBatch& b = batches.emplace_back();
+        b.history_len = ref.size(1);
+        b.margin = static_cast<int>(margin);
+        b.use_history_max = use_history_max;
+      }
+      DelayedScalingBatch& b = batches.back();
       const int t = b.num_tensors++;
       b.history[t] = histories[j].data_ptr<float>() + i * b.history_len;
       const int64_t slot = (scale_offsets.empty() ? 0 : scale_offsets[j]) + i;
@@ -254,7 +249,27 @@ void delayed_scaling_update_many(const std::vector<at::Tensor>& histories,
       b.fp8_max[t] = static_cast<float>(fp8_max[flat]);
     }
   }
-  if (b.num_tensors > 0) flush();
+  return batches;
+}
+
+void run_delayed_scaling_batches(const at::Tensor& device,
+                                 const std::vector<DelayedScalingBatch>& batches) {
+  for (const DelayedScalingBatch& b : batches) {
+    run_on_device(
+        device, [&] { delayed_scaling_update_batch_cpu(b); },
+        [&](cudaStream_t s) { return delayed_scaling_update_batch_cuda(b, s); });
+  }
+}
+
+void delayed_scaling_update_many(const std::vector<at::Tensor>& histories,
+                                 const std::vector<at::Tensor>& scales,
+                                 const std::vector<at::Tensor>& scale_invs,
+                                 const std::vector<double>& fp8_max, int64_t margin,
+                                 bool use_history_max, at::IntArrayRef scale_offsets,
+                                 const std::vector<at::Tensor>& previous) {
+  const auto batches = delayed_scaling_batches(histories, scales, scale_invs, fp8_max, margin,
+                                               use_history_max, scale_offsets, previous);
+  if (!batches.empty()) run_delayed_scaling_batches(histories[0], batches);
 }
 
 TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
@@ -281,7 +296,7 @@ TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
 }
 
 namespace {
-// The op's form: no `previous` (only update_layers, in C++, keeps the scales before an update).
+// The op's form: no `previous` (only a layer's DelayedUpdate keeps the scales before an update).
 void delayed_scaling_update_many_op(const std::vector<at::Tensor>& histories,
                                     const std::vector<at::Tensor>& scales,
                                     const std::vector<at::Tensor>& scale_invs,

@@ -502,17 +502,24 @@ Grads linear_backward(const at::Tensor& dy_in, const SavedForBackward& s, const 
   return out;
 }
 
-void update_layers(const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& scale_invs,
-                   const std::vector<at::Tensor>& histories,
-                   const std::vector<at::Tensor>& grad_histories,
-                   const std::vector<double>& fp8_max, int64_t margin, bool use_history_max,
-                   const ProcessGroupPtr& amax_group, const std::vector<at::Tensor>& previous) {
-  TORCH_CHECK_VALUE(previous.empty() || previous.size() == scales.size(),
-                    "update_layers: one `previous` buffer per layer, got ", previous.size(),
-                    " for ", scales.size(), " layers");
+DelayedUpdate layers_update(const std::vector<at::Tensor>& scales,
+                            const std::vector<at::Tensor>& scale_invs,
+                            const std::vector<at::Tensor>& histories,
+                            const std::vector<at::Tensor>& grad_histories,
+                            const std::vector<double>& fp8_max, int64_t margin,
+                            bool use_history_max, const ProcessGroupPtr& amax_group,
+                            const std::vector<at::Tensor>& previous) {
+  const size_t n = scales.size();
+  TORCH_CHECK_VALUE(scale_invs.size() == n && histories.size() == n && grad_histories.size() == n,
+                    "layers_update: one scale_inv, history and gradient history per layer (", n,
+                    "), got ", scale_invs.size(), ", ", histories.size(), " and ",
+                    grad_histories.size());
+  TORCH_CHECK_VALUE(previous.empty() || previous.size() == n,
+                    "layers_update: one `previous` buffer per layer, got ", previous.size(),
+                    " for ", n, " layers");
   std::vector<at::Tensor> all_histories, all_scales, all_scale_invs, all_previous;
   std::vector<int64_t> offsets;
-  for (size_t j = 0; j < scales.size(); ++j) {  // forward (input, weight): slots 0-1; gradient: 2
+  for (size_t j = 0; j < n; ++j) {  // forward (input, weight): slots 0-1; gradient: 2
     all_histories.insert(all_histories.end(), {histories[j], grad_histories[j]});
     all_scales.insert(all_scales.end(), {scales[j], scales[j]});
     all_scale_invs.insert(all_scale_invs.end(), {scale_invs[j], scale_invs[j]});
@@ -520,8 +527,8 @@ void update_layers(const std::vector<at::Tensor>& scales, const std::vector<at::
     offsets.insert(offsets.end(), {0, 2});
   }
   // (The update kernel keeps the previous scales itself: no copy launched before it.)
-  update_delayed(all_histories, all_scales, all_scale_invs, fp8_max, margin, use_history_max,
-                 amax_group, offsets, all_previous);
+  return DelayedUpdate(all_histories, all_scales, all_scale_invs, fp8_max, margin, use_history_max,
+                       amax_group, offsets, all_previous);
 }
 
 Fp8Tensor all_gather_fp8(const at::Tensor& local, const Quantizer& quantizer,

@@ -66,15 +66,17 @@ LinearConfig linear_config(int64_t scaling, int64_t fwd_format, int64_t grad_for
                            bool sequence_parallel, const std::string& group_name,
                            at::IntArrayRef debug);
 
-// The delayed-scaling update of many layers (fp8_autocast's exit): layer j's scale and
-// scale_inv [3], its forward and gradient histories, and fp8_max 3 per layer; with
+// The delayed-scaling update of many layers (fp8_autocast's exit), built once: layer j's scale
+// and scale_inv [3], its forward and gradient histories, and fp8_max 3 per layer; with
 // `amax_group` their newest amaxes are all-reduced first, in one collective. `previous`, if
-// not empty, receives each layer's scales before the update (one copy for all).
-void update_layers(const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& scale_invs,
-                   const std::vector<at::Tensor>& histories,
-                   const std::vector<at::Tensor>& grad_histories,
-                   const std::vector<double>& fp8_max, int64_t margin, bool use_history_max,
-                   const ProcessGroupPtr& amax_group, const std::vector<at::Tensor>& previous = {});
+// not empty, receives each layer's scales before each update (in the same launch).
+DelayedUpdate layers_update(const std::vector<at::Tensor>& scales,
+                            const std::vector<at::Tensor>& scale_invs,
+                            const std::vector<at::Tensor>& histories,
+                            const std::vector<at::Tensor>& grad_histories,
+                            const std::vector<double>& fp8_max, int64_t margin,
+                            bool use_history_max, const ProcessGroupPtr& amax_group,
+                            const std::vector<at::Tensor>& previous = {});
 
 // The weight's FP8 cache: filled with kFill, read with kReuse.
 struct WeightCacheBuffers {

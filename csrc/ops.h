@@ -9,6 +9,8 @@
 #include <tuple>
 #include <vector>
 
+#include "kernels/delayed_scaling.h"
+
 namespace tpfp8 {
 
 using OptTensor = std::optional<at::Tensor>;
@@ -53,6 +55,15 @@ void delayed_scaling_update_many(const std::vector<at::Tensor>& histories,
                                  const std::vector<double>& fp8_max, int64_t margin,
                                  bool use_history_max, at::IntArrayRef scale_offsets = {},
                                  const std::vector<at::Tensor>& previous = {});
+// delayed_scaling_update_many in two halves: its checks and the launches' parameters (the
+// tensors' addresses), then the launches, on `device`'s device (a tensor there).
+std::vector<DelayedScalingBatch> delayed_scaling_batches(
+    const std::vector<at::Tensor>& histories, const std::vector<at::Tensor>& scales,
+    const std::vector<at::Tensor>& scale_invs, const std::vector<double>& fp8_max, int64_t margin,
+    bool use_history_max, at::IntArrayRef scale_offsets = {},
+    const std::vector<at::Tensor>& previous = {});
+void run_delayed_scaling_batches(const at::Tensor& device,
+                                 const std::vector<DelayedScalingBatch>& batches);
 // out[M, N] = scales * A . B^T (+ bias) (+ out); types are GemmType codes (kernels/gemm.h).
 void gemm(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, const OptTensor& a_scale_inv,
           const OptTensor& b_scale_inv, int64_t a_type, int64_t b_type, const OptTensor& bias,

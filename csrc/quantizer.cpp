@@ -149,35 +149,67 @@ at::Tensor CurrentScalingQuantizer::amax_of(const at::TensorOptions& options,
   return a;
 }
 
-void update_delayed(const std::vector<at::Tensor>& histories, const std::vector<at::Tensor>& scales,
-                    const std::vector<at::Tensor>& scale_invs, const std::vector<double>& fp8_max,
-                    int64_t margin, bool use_history_max, const ProcessGroupPtr& amax_group,
-                    at::IntArrayRef scale_offsets, const std::vector<at::Tensor>& previous) {
-  if (histories.empty()) return;
-  if (amax_group) {  // one collective for all the layers' amaxes
-    const auto newest = c10::fmap(histories, [](const at::Tensor& h) { return h.select(1, 0); });
-    at::Tensor amax = at::cat(newest);
+DelayedUpdate::DelayedUpdate(const std::vector<at::Tensor>& histories,
+                             const std::vector<at::Tensor>& scales,
+                             const std::vector<at::Tensor>& scale_invs,
+                             const std::vector<double>& fp8_max, int64_t margin,
+                             bool use_history_max, ProcessGroupPtr amax_group,
+                             at::IntArrayRef scale_offsets, const std::vector<at::Tensor>& previous)
+    : batches_(delayed_scaling_batches(histories, scales, scale_invs, fp8_max, margin,
+                                       use_history_max, scale_offsets, previous)),
+      amax_group_(std::move(amax_group)) {
+  for (const auto* tensors : {&histories, &scales, &scale_invs, &previous}) {
+    for (size_t j = 0; j < tensors->size(); ++j) {
+      const at::Tensor& t = (*tensors)[j];
+      if (j > 0 && t.is_same((*tensors)[j - 1])) continue;  // (a layer's slots of one tensor)
+      held_.push_back({t, t.const_data_ptr(), t.sizes().vec()});
+    }
+  }
+  if (amax_group_) {
+    newest_ = c10::fmap(histories, [](const at::Tensor& h) { return h.select(1, 0); });
+    newest_sizes_ = c10::fmap(histories, [](const at::Tensor& h) { return h.size(0); });
+  }
+}
+
+bool DelayedUpdate::unchanged() const {
+  for (const Held& h : held_) {
+    if (h.tensor.const_data_ptr() != h.data || h.tensor.sizes() != at::IntArrayRef(h.sizes)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void DelayedUpdate::run() const {
+  TORCH_CHECK(unchanged(),
+              "DelayedUpdate: a state tensor's storage or shape changed since the update was "
+              "built; build it again");
+  launch();
+}
+
+void DelayedUpdate::launch() const {
+  if (batches_.empty()) return;
+  if (amax_group_) {  // one collective for all the layers' amaxes
+    at::Tensor amax = at::cat(newest_);
     // NaN as Inf: MAX then orders every rank's values alike (a NaN's fate in MAX depends on the
     // backend and on the order of operands), and the bad step is dropped on every rank.
     const double inf = std::numeric_limits<double>::infinity();
     amax.nan_to_num_(inf, inf, inf);
-    all_reduce(amax, *amax_group, c10d::ReduceOp::MAX);
+    all_reduce(amax, *amax_group_, c10d::ReduceOp::MAX);
     // Written like the kernels write the rest of the state, without a version bump: what
     // saved these tensors (a compiled backward) reads them live, as it should.
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    at::_foreach_copy_(newest, amax.split_with_sizes(c10::fmap(
-                                   newest, [](const at::Tensor& t) { return t.size(0); })));
+    at::_foreach_copy_(newest_, amax.split_with_sizes(newest_sizes_));
   }
   // Two threads stepping one layer update it one at a time (the CPU reference rolls the
   // history on the host). Not under an amax group: holding a lock across a collective could
   // deadlock against another rank's order.
   static std::mutex mutex;
   std::unique_lock<std::mutex> lock(mutex, std::defer_lock);
-  if (!amax_group) lock.lock();
+  if (!amax_group_) lock.lock();
   // Named as the op, so that profiles (and tests) count the launches.
   RECORD_FUNCTION("tpfp8::delayed_scaling_update_many", std::vector<c10::IValue>());
-  delayed_scaling_update_many(histories, scales, scale_invs, fp8_max, margin, use_history_max,
-                              scale_offsets, previous);
+  run_delayed_scaling_batches(held_.front().tensor, batches_);
 }
 
 }  // namespace tpfp8

@@ -164,16 +164,38 @@ class CurrentScalingQuantizer final : public Quantizer {
   double epsilon_;
 };
 
-// Delayed-scaling update of many layers' states now: histories[j] [n_j, H] (tensor-major,
-// newest first), scales[j] / scale_invs[j] [n_j] (or their slots from scale_offsets[j] on, as
-// delayed_scaling_update_many takes them), fp8_max one per tensor. With `amax_group`
-// the newest amaxes of all of them are all-reduced (MAX) first, in one collective; then the
-// histories roll and the scales update in one launch per 96 tensors (keeping each scale before
-// the update in previous[j], where given).
-void update_delayed(const std::vector<at::Tensor>& histories, const std::vector<at::Tensor>& scales,
-                    const std::vector<at::Tensor>& scale_invs, const std::vector<double>& fp8_max,
-                    int64_t margin, bool use_history_max, const ProcessGroupPtr& amax_group,
-                    at::IntArrayRef scale_offsets = {},
-                    const std::vector<at::Tensor>& previous = {});
+// The delayed-scaling update of a fixed set of state tensors -- histories[j] [n_j, H]
+// (tensor-major, newest first), scales[j] / scale_invs[j] [n_j] (or their slots from
+// scale_offsets[j] on, as delayed_scaling_update_many takes them), fp8_max one per tensor --
+// checked and laid out once, run at the end of every step: with `amax_group` the newest amaxes
+// of all of them are all-reduced (MAX) first, in one collective; then the histories roll and
+// the scales update in one launch per 96 tensors (keeping each scale before the update in
+// previous[j], where given). It holds the tensors, so the addresses it launches with stay valid.
+class DelayedUpdate {
+ public:
+  DelayedUpdate(const std::vector<at::Tensor>& histories, const std::vector<at::Tensor>& scales,
+                const std::vector<at::Tensor>& scale_invs, const std::vector<double>& fp8_max,
+                int64_t margin, bool use_history_max, ProcessGroupPtr amax_group,
+                at::IntArrayRef scale_offsets = {}, const std::vector<at::Tensor>& previous = {});
+  // Whether every tensor still has the storage and shape it was laid out with (`.data =`,
+  // `set_` or `resize_` change them): if not, build the update again.
+  bool unchanged() const;
+  // The update, now (TORCH_CHECK if a tensor changed: see unchanged()).
+  void run() const;
+  // The same, unchecked: after unchanged() answered true.
+  void launch() const;
+
+ private:
+  struct Held {  // a tensor and what the launches' parameters took from it
+    at::Tensor tensor;
+    const void* data;
+    std::vector<int64_t> sizes;
+  };
+  std::vector<Held> held_;
+  std::vector<DelayedScalingBatch> batches_;
+  ProcessGroupPtr amax_group_;
+  std::vector<at::Tensor> newest_;  // views of the histories' row 0: what the group reduces
+  std::vector<int64_t> newest_sizes_;
+};
 
 }  // namespace tpfp8

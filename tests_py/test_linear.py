@@ -681,6 +681,76 @@ def test_one_module_alternates_recipes():
 
 
 
+def _swap_buffer(lin):  # as FSDP-style code moves buffers: past nn.Module.__setattr__
+    lin._buffers["fp8_amax_history"] = lin._buffers["fp8_amax_history"].clone()
+
+
+def _new_storage(lin):  # the same tensor object, other memory
+    lin.fp8_scale.data = lin.fp8_scale.clone()
+    lin.fp8_grad_amax_history.set_(lin.fp8_grad_amax_history.clone())
+
+
+def _reload(lin):  # in place, the same tensors
+    lin.load_state_dict(lin.state_dict())
+
+
+@pytest.mark.parametrize("change", [_swap_buffer, _new_storage, _reload])
+def test_the_update_follows_state_changed_between_steps(change):
+    """fp8_autocast's exit plans the update of a set of layers once; state replaced or moved
+    in memory between steps, by any route, is what the next update rolls: the layers end
+    bit-identical to twins that ran the same steps untouched."""
+    torch.manual_seed(24)
+    changed = nn.Sequential(*[tpfp8.Linear(32, 32) for _ in range(3)])
+    twin = copy.deepcopy(changed)
+    x = torch.randn(8, 32)
+    recipe = tpfp8.DelayedScaling(amax_history_len=4)
+    for step in range(4):
+        if step == 2:
+            for layer in changed:
+                change(layer)
+        for model in (changed, twin):
+            with tpfp8.fp8_autocast(recipe=recipe):
+                y = model(x)
+            y.sum().backward()
+    for a, b in zip(changed, twin):
+        assert a._fp8_updates == b._fp8_updates == 4
+        for mine, theirs in zip(a._state(), b._state()):
+            assert torch.equal(mine, theirs)
+    assert float(fwd_state(changed[0])["scale"][0]) != 1.0
+
+
+def test_the_update_of_new_layers_in_place_of_deleted_ones():
+    """New layers may take the ids of deleted ones (a plan's key): each model still updates
+    its own state."""
+    x, recipe = torch.randn(8, 32), tpfp8.DelayedScaling(amax_history_len=4)
+    for seed in range(4):
+        torch.manual_seed(seed)
+        model = nn.Sequential(*[tpfp8.Linear(32, 32) for _ in range(2)])
+        with tpfp8.fp8_autocast(recipe=recipe):
+            model(x)
+        want = np.float32(448.0) / np.float32(x.abs().max())
+        assert float(fwd_state(model[0])["scale"][0]) == want
+        del model
+
+
+def test_a_delayed_update_refuses_state_moved_under_it():
+    scale, scale_inv = torch.ones(3), torch.ones(3)
+    history, grad_history = torch.zeros(2, 4), torch.zeros(1, 4)
+    history[:, 0] = 2.0  # (tensor-major: the newest amax of the input and the weight)
+    update = tpfp8._C.DelayedUpdate([scale], [scale_inv], [history], [grad_history],
+                                    [448.0, 448.0, 57344.0], 0, True, "")
+    assert update.unchanged()
+    history.set_(history.clone())
+    assert not update.unchanged()
+    with pytest.raises(RuntimeError, match="storage or shape changed"):
+        update.run()
+    assert torch.equal(scale, torch.ones(3))  # untouched
+    update = tpfp8._C.DelayedUpdate([scale], [scale_inv], [history], [grad_history],
+                                    [448.0, 448.0, 57344.0], 0, True, "")
+    update.run()
+    assert scale.tolist() == [224.0, 224.0, 1.0]
+
+
 class _Doubled(nn.Module):
     def forward(self, t):
         return 2 * t

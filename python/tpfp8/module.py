@@ -258,8 +258,15 @@ class Linear(nn.Linear):
     def __getstate__(self):
         """Pickling: the amax group (a ProcessGroup) does not pickle; the next FP8 forward
         sets it again."""
-        state = super().__getstate__()  # a copy already
+        state = self._copied_state()
         state["_fp8_amax_group"] = None
+        return state
+
+    def _copied_state(self) -> dict:
+        """What a copy takes: all but the update plan this layer may keep (native, and made
+        again by the copy's first update)."""
+        state = super().__getstate__()  # a copy already
+        state.pop(_scaling.PLAN, None)
         return state
 
     def __setstate__(self, state) -> None:
@@ -284,7 +291,7 @@ class Linear(nn.Linear):
                 memo[id(group)] = group
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
-        new.__setstate__(copy.deepcopy(super().__getstate__(), memo))
+        new.__setstate__(copy.deepcopy(self._copied_state(), memo))
         # A Parameter's deepcopy drops what was set on it: keep the tensor-parallel layout
         # (optimizers and checkpointers read it); main_grad, like .grad, is not copied.
         for mine, theirs in ((self.weight, new.weight), (self.bias, new.bias)):

@@ -3,7 +3,6 @@ input, weight and output gradient, the amax history of the input and weight [2, 
 (written by forward) and that of the gradient [1, history_len] (written by backward); tensor-
 major, newest first -- and the update that rolls them, once per step, for many layers at a
 time."""
-import functools
 from typing import Iterable
 
 import torch
@@ -54,9 +53,6 @@ def maxima(recipe: DelayedScaling) -> tuple:
     """The largest FP8 value of each of the three tensors' formats."""
     fwd, grad = recipe.formats
     return float(fwd.max), float(fwd.max), float(grad.max)
-
-
-_cached_maxima = functools.lru_cache(maxsize=None)(maxima)  # per step, outside any graph
 
 
 def fresh(recipe: DelayedScaling, device) -> tuple:
@@ -168,7 +164,37 @@ def update(layers: Iterable) -> None:
     its state follows (a layer that an inner fp8_autocast block ran under another recipe follows
     that one): per device, recipe and amax group, one all-reduce of all the newest amaxes (tensor
     parallelism) and one launch per 96 tensors, on each layer's own buffers. Every rank of an
-    amax group calls this with its layers in the same order (the order their forwards ran)."""
+    amax group calls this with its layers in the same order (the order their forwards ran).
+
+    Host time: the update of a set of layers is planned once (`_C.UpdatePlan`), and the plan
+    kept by the first of them (so it goes when the model goes); a step then checks in C++ that
+    every layer still holds what the plan took, and plans again if not."""
+    layers = tuple(layers)
+    if not layers:
+        return
+    kept = layers[0].__dict__
+    plan = kept.get(PLAN)
+    if plan is not None and plan.run(layers):
+        return
+    plan = kept[PLAN] = _plan(layers)
+    if not plan.run(layers):
+        raise RuntimeError("tpfp8: a delayed-scaling update planned just now refused to run; "
+                           "please report this")
+
+
+# Where the first layer of a set keeps the set's plan (not pickled, not copied: module.py).
+PLAN = "_fp8_update_plan"
+# What a plan checks each layer still holds: its state buffers, and the attributes that chose
+# its group; and the count it adds one to.
+_PLANNED_BUFFERS = ("fp8_scale", "fp8_scale_inv", "fp8_amax_history", "fp8_grad_amax_history",
+                    "fp8_scale_prev")
+_PLANNED_ATTRS = ("_fp8_recipe_key", "_fp8_amax_group")
+_COUNT = "_fp8_updates"
+
+
+def _plan(layers: tuple):
+    """The update of `layers` as a `_C.UpdatePlan`: one `_C.DelayedUpdate` per device, recipe
+    and amax group."""
     batches = {}
     for layer in layers:
         state = layer._buffers
@@ -181,24 +207,23 @@ def update(layers: Iterable) -> None:
         batch[2].append(state["fp8_scale_inv"])
         batch[3].append(state["fp8_amax_history"])
         batch[4].append(state["fp8_grad_amax_history"])
-        batch[5].append(_previous(layer, state))
-    for (_, _, group), (recipe, scales, scale_invs, histories, grad_histories, previous) in \
-            batches.items():
-        # (the update keeps each scale before it in `previous`, in the same launch: what a
-        # checkpoint's recompute after this update casts with)
-        _C.update_layers(scales, scale_invs, histories, grad_histories,
-                         _cached_maxima(recipe) * len(scales), recipe.margin,
-                         recipe.amax_compute_algo == "max",
-                         "" if group is None else group.group_name, previous)
+        batch[5].append(_previous(state))
+    # (each update keeps each scale before it in `previous`, in the same launch: what a
+    # checkpoint's recompute after this update casts with)
+    updates = [_C.DelayedUpdate(scales, scale_invs, histories, grad_histories,
+                                maxima(recipe) * len(scales), recipe.margin,
+                                recipe.amax_compute_algo == "max",
+                                "" if group is None else group.group_name, previous)
+               for (_, _, group), (recipe, scales, scale_invs, histories, grad_histories,
+                                   previous) in batches.items()]
+    return _C.UpdatePlan(layers, _PLANNED_BUFFERS, _PLANNED_ATTRS, _COUNT, updates)
 
 
-def _previous(layer, state: dict) -> torch.Tensor:
-    """The buffer that keeps the layer's scale before the update about to run (made the first
-    time, or after the state moved), counting the update. (Host time: the count bypasses
-    nn.Module.__setattr__, which it does not need.)"""
+def _previous(state: dict) -> torch.Tensor:
+    """The buffer that keeps the layer's scale before an update (made the first time, or after
+    the state moved)."""
     scale, previous = state["fp8_scale"], state["fp8_scale_prev"]
     if previous is None or previous.device != scale.device:
         with torch.inference_mode(False):
             previous = state["fp8_scale_prev"] = torch.empty_like(scale)
-    layer.__dict__["_fp8_updates"] += 1
     return previous
