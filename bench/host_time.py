@@ -23,21 +23,23 @@ _MANY = 64  # the layers whose delayed-scaling update is timed together, as a mo
 _MANY_UPDATE = f"delayed-scaling update ({_MANY} modules)"
 
 
+def timed(fn, n, device):
+    """Wall time of n calls of fn; the GPU is waited for before and after only."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def per_call_us(fn, device, n=2000, rounds=5):
-    """Best-of-rounds mean wall time per call; the GPU is waited for between rounds only."""
+    """Best-of-rounds mean wall time per call."""
     for _ in range(100):
         fn()
-    best = float("inf")
-    for _ in range(rounds):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / n * 1e6)
-    return best
+    return min(timed(fn, n, device) for _ in range(rounds)) / n * 1e6
 
 
 def paired_ratio(base, fn, device, n=300, rounds=15):
@@ -49,16 +51,8 @@ def paired_ratio(base, fn, device, n=300, rounds=15):
         fn()
     ratios = []
     for r in range(rounds):
-        times = {}
-        for which in ((base, fn) if r % 2 == 0 else (fn, base)):
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(n):
-                which()
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            times[which] = time.perf_counter() - t0
+        first, second = (base, fn) if r % 2 == 0 else (fn, base)
+        times = {first: timed(first, n, device), second: timed(second, n, device)}
         ratios.append(times[fn] / times[base])
     ratios.sort()
     return ratios[len(ratios) // 2], ratios[0], ratios[-1]
