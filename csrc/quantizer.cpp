@@ -4,6 +4,7 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/record_function.h>
 
+#include <algorithm>
 #include <limits>
 #include <mutex>
 
@@ -162,7 +163,7 @@ DelayedUpdate::DelayedUpdate(const std::vector<at::Tensor>& histories,
     for (size_t j = 0; j < tensors->size(); ++j) {
       const at::Tensor& t = (*tensors)[j];
       if (j > 0 && t.is_same((*tensors)[j - 1])) continue;  // (a layer's slots of one tensor)
-      held_.push_back({t, t.const_data_ptr(), t.sizes().vec()});
+      held_.emplace_back(t);
     }
   }
   if (amax_group_) {
@@ -171,13 +172,21 @@ DelayedUpdate::DelayedUpdate(const std::vector<at::Tensor>& histories,
   }
 }
 
+DelayedUpdate::Held::Held(const at::Tensor& t)
+    : tensor(t),
+      storage(t.storage()),
+      data(t.const_data_ptr()),
+      dtype(t.scalar_type()),
+      sizes(t.sizes().vec()),
+      strides(t.strides().vec()) {}
+
+bool DelayedUpdate::Held::unchanged() const {
+  return tensor.const_data_ptr() == data && tensor.scalar_type() == dtype &&
+         tensor.sizes() == at::IntArrayRef(sizes) && tensor.strides() == at::IntArrayRef(strides);
+}
+
 bool DelayedUpdate::unchanged() const {
-  for (const Held& h : held_) {
-    if (h.tensor.const_data_ptr() != h.data || h.tensor.sizes() != at::IntArrayRef(h.sizes)) {
-      return false;
-    }
-  }
-  return true;
+  return std::all_of(held_.begin(), held_.end(), [](const Held& h) { return h.unchanged(); });
 }
 
 void DelayedUpdate::run() const {

@@ -177,8 +177,8 @@ class DelayedUpdate {
                 const std::vector<at::Tensor>& scale_invs, const std::vector<double>& fp8_max,
                 int64_t margin, bool use_history_max, ProcessGroupPtr amax_group,
                 at::IntArrayRef scale_offsets = {}, const std::vector<at::Tensor>& previous = {});
-  // Whether every tensor still has the storage and shape it was laid out with (`.data =`,
-  // `set_` or `resize_` change them): if not, build the update again.
+  // Whether every tensor still has the memory, dtype, shape and strides it was laid out with
+  // (`.data =`, `set_` or `resize_` change them): if not, build the update again.
   bool unchanged() const;
   // The update, now (TORCH_CHECK if a tensor changed: see unchanged()).
   void run() const;
@@ -186,10 +186,16 @@ class DelayedUpdate {
   void launch() const;
 
  private:
-  struct Held {  // a tensor and what the launches' parameters took from it
+  // A tensor and what the launches' parameters took from it. The storage is held too: the
+  // memory the launches write stays valid even if another thread moves the tensor meanwhile.
+  struct Held {
+    explicit Held(const at::Tensor& t);
+    bool unchanged() const;
     at::Tensor tensor;
+    c10::Storage storage;
     const void* data;
-    std::vector<int64_t> sizes;
+    at::ScalarType dtype;
+    std::vector<int64_t> sizes, strides;
   };
   std::vector<Held> held_;
   std::vector<DelayedScalingBatch> batches_;

@@ -27,27 +27,40 @@ PyObject* entry(PyObject* dict, PyObject* key) {
   return value;
 }
 
-// The DelayedUpdate of one group of layers, and for every layer what it held when the plan was
-// made: the objects of its state buffers (`buffer_names`, in its `_buffers`) and of the
-// attributes that chose its group (`attr_names`, in its __dict__). run() updates only if every
-// layer still holds exactly those objects and no tensor changed under an update (`.data =`,
-// `set_`); else it does nothing and returns false, and the caller plans again. After updating it
-// adds one to each layer's `count_name` (its update count: activation checkpoints read it).
+// fp8_autocast's exit for a set of layers: a DelayedUpdate per group of them (device, recipe,
+// amax group; `groups[k]` the positions of update k's layers), and for every layer what it held
+// when the plan was made: the objects of its state buffers (`buffer_names`, in its `_buffers`)
+// and of the attributes that chose its group (`attr_names`, in its __dict__), and an int update
+// count (`count_name`). run() updates only if every layer, in the same order, still holds
+// exactly those objects and no tensor changed under an update (`.data =`, `set_`); else it does
+// nothing and returns false, and the caller plans again. After each update it adds one to the
+// count of its layers (activation checkpoints read it to know which scales a recompute uses).
 class UpdatePlan {
  public:
   UpdatePlan(const py::tuple& layers, std::vector<py::str> buffer_names,
              std::vector<py::str> attr_names, py::str count_name,
-             std::vector<std::shared_ptr<DelayedUpdate>> updates)
+             std::vector<std::shared_ptr<DelayedUpdate>> updates,
+             std::vector<std::vector<size_t>> groups)
       : buffer_names_(std::move(buffer_names)),
         attr_names_(std::move(attr_names)),
         count_name_(std::move(count_name)),
+        layers_(layers.size()),
         updates_(std::move(updates)),
-        layers_(layers.size()) {
+        groups_(std::move(groups)) {
+    TORCH_CHECK_VALUE(groups_.size() == updates_.size(), "UpdatePlan: one group per update, got ",
+                      groups_.size(), " for ", updates_.size());
+    for (const auto& group : groups_) {
+      for (const size_t i : group) {
+        TORCH_CHECK_VALUE(i < layers_, "UpdatePlan: layer ", i, " of ", layers_);
+      }
+    }
     for (const py::handle layer : layers) {
-      const py::dict attrs = layer.attr("__dict__");
-      const py::dict buffers = attrs["_buffers"];
-      for (const py::str& name : buffer_names_) expected_.push_back(buffers[name]);
-      for (const py::str& name : attr_names_) expected_.push_back(attrs[name]);
+      const py::object attrs = dict_of(layer);
+      PyObject* buffers = entry(attrs.ptr(), buffers_key_.ptr());
+      TORCH_CHECK_TYPE(buffers != nullptr && PyDict_Check(buffers),
+                       "UpdatePlan: a layer without a `_buffers` dict");
+      for (const py::str& name : buffer_names_) expected_.push_back(held(buffers, name));
+      for (const py::str& name : attr_names_) expected_.push_back(held(attrs.ptr(), name));
     }
   }
 
@@ -57,46 +70,57 @@ class UpdatePlan {
     for (const auto& update : updates_) {
       if (!update->unchanged()) return false;
     }
-    {
-      const py::gil_scoped_release release;
-      for (const auto& update : updates_) update->launch();
+    for (size_t k = 0; k < updates_.size(); ++k) {
+      {
+        const py::gil_scoped_release release;
+        updates_[k]->launch();
+      }
+      for (const size_t i : groups_[k]) count(dicts[i]);
     }
-    count(dicts);
     return true;
   }
 
  private:
-  // Whether `layers` hold what they were planned with; `dicts` gets their __dict__s.
+  // Whether `layers` hold what they were planned with and an int count each; `dicts` gets their
+  // __dict__s.
   bool holds(const py::tuple& layers, std::vector<py::object>& dicts) const {
     if (layers.size() != layers_) return false;
     dicts.reserve(layers_);
     auto expected = expected_.begin();
     for (const py::handle layer : layers) {
-      const py::object& attrs = dicts.emplace_back(dict_of(layer));
-      PyObject* buffers = entry(attrs.ptr(), buffers_key_.ptr());
+      dicts.push_back(dict_of(layer));
+      PyObject* attrs = dicts.back().ptr();
+      PyObject* buffers = entry(attrs, buffers_key_.ptr());
       if (buffers == nullptr || !PyDict_Check(buffers)) return false;
       for (const py::str& name : buffer_names_) {
         if (entry(buffers, name.ptr()) != (expected++)->ptr()) return false;
       }
       for (const py::str& name : attr_names_) {
-        if (entry(attrs.ptr(), name.ptr()) != (expected++)->ptr()) return false;
+        if (entry(attrs, name.ptr()) != (expected++)->ptr()) return false;
       }
+      PyObject* count = entry(attrs, count_name_.ptr());
+      if (count == nullptr || !PyLong_CheckExact(count)) return false;
     }
     return true;
   }
 
-  void count(const std::vector<py::object>& dicts) const {
-    for (const py::object& attrs : dicts) {
-      PyObject* count = entry(attrs.ptr(), count_name_.ptr());
-      if (count == nullptr) throw py::key_error(std::string(count_name_));
-      const py::object next = py::reinterpret_steal<py::object>(PyNumber_Add(count, one_.ptr()));
-      if (!next || PyDict_SetItem(attrs.ptr(), count_name_.ptr(), next.ptr()) != 0) {
-        throw py::error_already_set();
-      }
+  // Adds one to the layer's count (an int: holds() saw it).
+  void count(const py::object& attrs) const {
+    PyObject* count = entry(attrs.ptr(), count_name_.ptr());
+    const py::object next = py::reinterpret_steal<py::object>(PyNumber_Add(count, one_.ptr()));
+    if (!next || PyDict_SetItem(attrs.ptr(), count_name_.ptr(), next.ptr()) != 0) {
+      throw py::error_already_set();
     }
   }
 
-  // The layer's __dict__ (None-like if it has none).
+  // The entry `name` of `dict`, held; KeyError if missing.
+  static py::object held(PyObject* dict, const py::str& name) {
+    PyObject* value = entry(dict, name.ptr());
+    if (value == nullptr) throw py::key_error(std::string(name));
+    return py::reinterpret_borrow<py::object>(value);
+  }
+
+  // The layer's __dict__ (a null object if it has none).
   static py::object dict_of(py::handle layer) {
     PyObject* attrs = PyObject_GenericGetDict(layer.ptr(), nullptr);
     if (attrs == nullptr) PyErr_Clear();
@@ -105,9 +129,13 @@ class UpdatePlan {
 
   std::vector<py::str> buffer_names_, attr_names_;
   py::str count_name_;
-  std::vector<std::shared_ptr<DelayedUpdate>> updates_;
   size_t layers_;
-  std::vector<py::object> expected_;  // per layer: its buffers, then its attributes
+  // Per layer: its buffers, then its attributes. Declared before updates_, so destroyed after
+  // them: where a layer's amax group ends with the plan, its last owner is then the Python
+  // object, whose destructor lets the GIL go (a ProcessGroup's joins threads that may need it).
+  std::vector<py::object> expected_;
+  std::vector<std::shared_ptr<DelayedUpdate>> updates_;
+  std::vector<std::vector<size_t>> groups_;
   const py::str buffers_key_{"_buffers"};
   const py::int_ one_{1};
 };
@@ -142,10 +170,11 @@ void bind_update_plan(py::module_& m) {
            "The update, now (RuntimeError if a tensor changed: see unchanged())");
   py::class_<UpdatePlan>(m, "UpdatePlan",
                          "fp8_autocast's exit for one set of layers, checked at every step")
-      .def(py::init<const py::tuple&, std::vector<py::str>, std::vector<py::str>, py::str,
-                    std::vector<std::shared_ptr<DelayedUpdate>>>(),
-           py::arg("layers"), py::arg("buffer_names"), py::arg("attr_names"), py::arg("count_name"),
-           py::arg("updates"))
+      .def(
+          py::init<const py::tuple&, std::vector<py::str>, std::vector<py::str>, py::str,
+                   std::vector<std::shared_ptr<DelayedUpdate>>, std::vector<std::vector<size_t>>>(),
+          py::arg("layers"), py::arg("buffer_names"), py::arg("attr_names"), py::arg("count_name"),
+          py::arg("updates"), py::arg("groups"))
       .def("run", &UpdatePlan::run, py::arg("layers"),
            "Runs the updates and counts them in each layer if every layer still holds what it "
            "was planned with; else does nothing and returns False (plan again)");

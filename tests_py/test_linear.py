@@ -719,6 +719,28 @@ def test_the_update_follows_state_changed_between_steps(change):
     assert float(fwd_state(changed[0])["scale"][0]) != 1.0
 
 
+def test_the_update_of_sets_that_vary_between_steps():
+    """The same layers in another order, or two sets starting with the same layer: each set gets
+    its own plan (the first layer keeps a few) and every step updates exactly the layers that
+    ran, as each layer stepped alone would be."""
+    torch.manual_seed(25)
+    layers = [tpfp8.Linear(32, 32) for _ in range(3)]
+    alone = copy.deepcopy(layers)
+    x, recipe = torch.randn(8, 32), tpfp8.DelayedScaling(amax_history_len=4)
+    for order in [(0, 1, 2), (0, 2, 1), (0, 1), (0, 1, 2), (0, 2, 1), (0, 1)]:
+        with tpfp8.fp8_autocast(recipe=recipe):
+            for i in order:
+                layers[i](x).sum().backward()
+        for i in order:
+            with tpfp8.fp8_autocast(recipe=recipe):
+                alone[i](x).sum().backward()
+    for mine, theirs in zip(layers, alone):
+        assert mine._fp8_updates == theirs._fp8_updates
+        for a, b in zip(mine._state(), theirs._state()):
+            assert torch.equal(a, b)
+    assert len(layers[0].__dict__[tpfp8.scaling.PLANS]) == 3
+
+
 def test_the_update_of_new_layers_in_place_of_deleted_ones():
     """New layers may take the ids of deleted ones (a plan's key): each model still updates
     its own state."""
@@ -749,6 +771,17 @@ def test_a_delayed_update_refuses_state_moved_under_it():
                                     [448.0, 448.0, 57344.0], 0, True, "")
     update.run()
     assert scale.tolist() == [224.0, 224.0, 1.0]
+
+
+@pytest.mark.parametrize("move", [lambda t: setattr(t, "data", t.view(torch.int32)),
+                                  lambda t: t.as_strided_((3,), (2,))],
+                         ids=["other dtype", "other strides"])
+def test_a_delayed_update_refuses_state_reinterpreted_in_place(move):
+    scale = torch.ones(6)[:3]  # (room for the strides below)
+    update = tpfp8._C.DelayedUpdate([scale], [torch.ones(3)], [torch.zeros(2, 4)],
+                                    [torch.zeros(1, 4)], [448.0, 448.0, 57344.0], 0, True, "")
+    move(scale)
+    assert not update.unchanged()
 
 
 class _Doubled(nn.Module):

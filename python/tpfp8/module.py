@@ -263,10 +263,10 @@ class Linear(nn.Linear):
         return state
 
     def _copied_state(self) -> dict:
-        """What a copy takes: all but the update plan this layer may keep (native, and made
+        """What a copy takes: all but the update plans this layer may keep (native, and made
         again by the copy's first update)."""
         state = super().__getstate__()  # a copy already
-        state.pop(_scaling.PLAN, None)
+        state.pop(_scaling.PLANS, None)
         return state
 
     def __setstate__(self, state) -> None:

@@ -166,24 +166,33 @@ def update(layers: Iterable) -> None:
     parallelism) and one launch per 96 tensors, on each layer's own buffers. Every rank of an
     amax group calls this with its layers in the same order (the order their forwards ran).
 
-    Host time: the update of a set of layers is planned once (`_C.UpdatePlan`), and the plan
-    kept by the first of them (so it goes when the model goes); a step then checks in C++ that
-    every layer still holds what the plan took, and plans again if not."""
+    Host time: the update of a set of layers is planned once (`_C.UpdatePlan`) and kept by the
+    first of them -- with the set's state tensors, until a set starting with that layer is planned
+    again; a step then checks in C++ that every layer still holds what the plan took, and plans
+    again if not."""
     layers = tuple(layers)
     if not layers:
         return
     kept = layers[0].__dict__
-    plan = kept.get(PLAN)
+    plans = kept.get(PLANS)
+    # (A key to find the plan by, not proof that it fits: its run checks every layer.)
+    key = (len(layers), id(layers[-1]))
+    plan = None if plans is None else plans.get(key)
     if plan is not None and plan.run(layers):
         return
-    plan = kept[PLAN] = _plan(layers)
+    if plans is None or len(plans) >= _MAX_PLANS:
+        plans = kept[PLANS] = {}
+    plan = plans[key] = _plan(layers)
     if not plan.run(layers):
         raise RuntimeError("tpfp8: a delayed-scaling update planned just now refused to run; "
                            "please report this")
 
 
-# Where the first layer of a set keeps the set's plan (not pickled, not copied: module.py).
-PLAN = "_fp8_update_plan"
+# Where the first layer of a set keeps the plans of the sets it starts, by their length and last
+# layer (not pickled, not copied: module.py); a few, for sets that vary (experts chosen by a
+# router, blocks nested in each other).
+PLANS = "_fp8_update_plans"
+_MAX_PLANS = 4
 # What a plan checks each layer still holds: its state buffers, and the attributes that chose
 # its group; and the count it adds one to.
 _PLANNED_BUFFERS = ("fp8_scale", "fp8_scale_inv", "fp8_amax_history", "fp8_grad_amax_history",
@@ -196,18 +205,19 @@ def _plan(layers: tuple):
     """The update of `layers` as a `_C.UpdatePlan`: one `_C.DelayedUpdate` per device, recipe
     and amax group."""
     batches = {}
-    for layer in layers:
+    for position, layer in enumerate(layers):
         state = layer._buffers
         scale = state["fp8_scale"]
         key = (scale.device, layer._fp8_recipe_key, layer._fp8_amax_group)
         batch = batches.get(key)
         if batch is None:
-            batch = batches[key] = (layer._fp8_recipe, [], [], [], [], [])
+            batch = batches[key] = (layer._fp8_recipe, [], [], [], [], [], [])
         batch[1].append(scale)
         batch[2].append(state["fp8_scale_inv"])
         batch[3].append(state["fp8_amax_history"])
         batch[4].append(state["fp8_grad_amax_history"])
         batch[5].append(_previous(state))
+        batch[6].append(position)
     # (each update keeps each scale before it in `previous`, in the same launch: what a
     # checkpoint's recompute after this update casts with)
     updates = [_C.DelayedUpdate(scales, scale_invs, histories, grad_histories,
@@ -215,8 +225,9 @@ def _plan(layers: tuple):
                                 recipe.amax_compute_algo == "max",
                                 "" if group is None else group.group_name, previous)
                for (_, _, group), (recipe, scales, scale_invs, histories, grad_histories,
-                                   previous) in batches.items()]
-    return _C.UpdatePlan(layers, _PLANNED_BUFFERS, _PLANNED_ATTRS, _COUNT, updates)
+                                   previous, _) in batches.items()]
+    groups = [batch[6] for batch in batches.values()]
+    return _C.UpdatePlan(layers, _PLANNED_BUFFERS, _PLANNED_ATTRS, _COUNT, updates, groups)
 
 
 def _previous(state: dict) -> torch.Tensor:
