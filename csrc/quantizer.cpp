@@ -218,7 +218,7 @@ void DelayedUpdate::launch() const {
   if (!amax_group_) lock.lock();
   // Named as the op, so that profiles (and tests) count the launches.
   RECORD_FUNCTION("tpfp8::delayed_scaling_update_many", std::vector<c10::IValue>());
-  run_delayed_scaling_batches(held_.front().tensor, batches_);
+  run_delayed_scaling_batches(held_.front().tensor, batches_);  // (histories[0]'s device)
 }
 
 }  // namespace tpfp8

@@ -165,7 +165,8 @@ void bind_update_plan(py::module_& m) {
            "the newest amaxes all-reduced (MAX) over the named group first, if any; `previous`, "
            "if given, receives each layer's scales before each update")
       .def("unchanged", &DelayedUpdate::unchanged,
-           "Whether every tensor still has the storage and shape it was laid out with")
+           "Whether every tensor still has the memory, dtype, shape and strides it was laid out "
+           "with")
       .def("run", &DelayedUpdate::run, py::call_guard<py::gil_scoped_release>(),
            "The update, now (RuntimeError if a tensor changed: see unchanged())");
   py::class_<UpdatePlan>(m, "UpdatePlan",
