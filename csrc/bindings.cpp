@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
 #include "backward_guard.h"
+#include "call_template.h"
 #include "eager_op.h"
 #include "kernels/gemm.h"
 #include "kernels/norm_cast.h"
@@ -102,5 +103,6 @@ PYBIND11_MODULE(_C, m) {
       "Sequence-parallel FP8 gather with current scaling: (gathered row-wise uint8 codes, "
       "shared scale_inv)");
   bind_eager_op(m);
+  bind_call_template(m);
   bind_update_plan(m);
 }

@@ -16,100 +16,93 @@
 #include <torch/extension.h>
 
 namespace tpfp8 {
-namespace {
 
 namespace py = pybind11;
 
-class EagerOp {
- public:
-  EagerOp(const std::string& name, py::object traced)
-      : op_(c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "")),
-        traced_(std::move(traced)),
-        disabled_(py::module_::import("torch._C").attr("_disabled_torch_function_impl")) {}
+EagerOp::EagerOp(const std::string& name, py::object traced)
+    : op_(c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "")),
+      traced_(std::move(traced)),
+      disabled_(py::module_::import("torch._C").attr("_disabled_torch_function_impl")) {}
 
-  py::object operator()(const py::args& args) const {
-    const std::vector<c10::Argument>& schema = op_.schema().arguments();
-    TORCH_CHECK_TYPE(args.size() <= schema.size(), op_.schema().name(), " takes at most ",
-                     schema.size(), " arguments, got ", args.size());
-    if (at::impl::torch_function_mode_enabled()) return traced_(*args);
-    torch::jit::Stack stack;
-    stack.reserve(schema.size());
-    for (size_t i = 0; i < args.size(); ++i) {
-      if (!push(args[i], schema[i], stack)) return traced_(*args);
-    }
-    for (size_t i = args.size(); i < schema.size(); ++i) {
-      TORCH_CHECK_TYPE(schema[i].default_value(), op_.schema().name(), " missing argument '",
-                       schema[i].name(), "'");
-      stack.push_back(*schema[i].default_value());
-    }
-    {
-      py::gil_scoped_release no_gil;
-      op_.callBoxed(&stack);
-    }
-    py::tuple out(stack.size());
-    for (size_t i = 0; i < stack.size(); ++i) {
-      out[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(stack[i]).toTensor()));
-    }
-    return std::move(out);
+py::object EagerOp::operator()(const py::args& args) const {
+  const std::vector<c10::Argument>& schema = op_.schema().arguments();
+  TORCH_CHECK_TYPE(args.size() <= schema.size(), op_.schema().name(), " takes at most ",
+                   schema.size(), " arguments, got ", args.size());
+  if (at::impl::torch_function_mode_enabled()) return traced_(*args);
+  torch::jit::Stack stack;
+  stack.reserve(schema.size());
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (!push(args[i], i, stack)) return traced_(*args);
   }
-
- private:
-  // Pushes `obj` as `arg`'s value; false where the call must go through __torch_function__.
-  bool push(py::handle obj, const c10::Argument& arg, torch::jit::Stack& stack) const {
-    const c10::TypePtr& type = arg.real_type();
-    const c10::TypeKind kind = type->kind();
-    PyObject* p = obj.ptr();
-    const bool is_tensor = PyObject_TypeCheck(p, reinterpret_cast<PyTypeObject*>(THPVariableClass));
-    if (is_tensor && !THPVariable_CheckExact(p) && overrides_torch_function(obj)) return false;
-    const bool tensor_arg = kind == c10::TypeKind::TensorType ||
-                            (kind == c10::TypeKind::OptionalType &&
-                             type->expectRef<c10::OptionalType>().getElementType()->kind() ==
-                                 c10::TypeKind::TensorType);
-    int overflow = 0;
-    if (tensor_arg && p == Py_None && kind == c10::TypeKind::OptionalType) {
-      stack.emplace_back();
-    } else if (tensor_arg && is_tensor) {
-      stack.emplace_back(THPVariable_Unpack(p));
-    } else if (kind == c10::TypeKind::IntType && PyLong_CheckExact(p)) {
-      const long long value = PyLong_AsLongLongAndOverflow(p, &overflow);
-      TORCH_CHECK_TYPE(!overflow, op_.schema().name(), ": argument '", arg.name(),
-                       "' is out of int64's range");
-      stack.emplace_back(static_cast<int64_t>(value));
-    } else if (kind == c10::TypeKind::BoolType && PyBool_Check(p)) {
-      stack.emplace_back(p == Py_True);
-    } else if (kind == c10::TypeKind::FloatType && PyFloat_CheckExact(p)) {
-      stack.emplace_back(PyFloat_AS_DOUBLE(p));
-    } else {
-      return convert(obj, arg, stack);
-    }
-    return true;
+  for (size_t i = args.size(); i < schema.size(); ++i) {
+    TORCH_CHECK_TYPE(schema[i].default_value(), op_.schema().name(), " missing argument '",
+                     schema[i].name(), "'");
+    stack.push_back(*schema[i].default_value());
   }
+  return call(stack);
+}
 
-  // Anything else (another type, a number of another kind): torch's own conversion, its failure
-  // a TypeError that names the argument.
-  bool convert(py::handle obj, const c10::Argument& arg, torch::jit::Stack& stack) const {
-    try {
-      stack.push_back(torch::jit::toIValue(obj, arg.real_type()));
-    } catch (const std::exception&) {  // (pybind's cast error says nothing more)
-      TORCH_CHECK_TYPE(false, op_.schema().name(), ": argument '", arg.name(), "' must be ",
-                       arg.real_type()->repr_str(), ", got ", Py_TYPE(obj.ptr())->tp_name);
-    }
-    return true;
+py::object EagerOp::call(torch::jit::Stack& stack) const {
+  {
+    py::gil_scoped_release no_gil;
+    op_.callBoxed(&stack);
   }
-
-  // As torch decides it: a subclass of Tensor whose __torch_function__ is not the disabled one
-  // (nn.Parameter's is).
-  bool overrides_torch_function(py::handle obj) const {
-    const py::object impl = py::getattr(obj, "__torch_function__", py::none());
-    return !impl.is_none() && !impl.is(disabled_);
+  py::tuple out(stack.size());
+  for (size_t i = 0; i < stack.size(); ++i) {
+    out[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(stack[i]).toTensor()));
   }
+  return std::move(out);
+}
 
-  c10::OperatorHandle op_;
-  py::object traced_;    // torch.ops' callable of the same op
-  py::object disabled_;  // torch._C._disabled_torch_function_impl
-};
+bool EagerOp::push(py::handle obj, size_t index, torch::jit::Stack& stack) const {
+  const c10::Argument& arg = op_.schema().arguments()[index];
+  const c10::TypePtr& type = arg.real_type();
+  const c10::TypeKind kind = type->kind();
+  PyObject* p = obj.ptr();
+  const bool is_tensor = PyObject_TypeCheck(p, reinterpret_cast<PyTypeObject*>(THPVariableClass));
+  if (is_tensor && !THPVariable_CheckExact(p) && overrides_torch_function(obj)) return false;
+  const bool tensor_arg =
+      kind == c10::TypeKind::TensorType ||
+      (kind == c10::TypeKind::OptionalType &&
+       type->expectRef<c10::OptionalType>().getElementType()->kind() == c10::TypeKind::TensorType);
+  int overflow = 0;
+  if (tensor_arg && p == Py_None && kind == c10::TypeKind::OptionalType) {
+    stack.emplace_back();
+  } else if (tensor_arg && is_tensor) {
+    stack.emplace_back(THPVariable_Unpack(p));
+  } else if (kind == c10::TypeKind::IntType && PyLong_CheckExact(p)) {
+    const long long value = PyLong_AsLongLongAndOverflow(p, &overflow);
+    TORCH_CHECK_TYPE(!overflow, op_.schema().name(), ": argument '", arg.name(),
+                     "' is out of int64's range");
+    stack.emplace_back(static_cast<int64_t>(value));
+  } else if (kind == c10::TypeKind::BoolType && PyBool_Check(p)) {
+    stack.emplace_back(p == Py_True);
+  } else if (kind == c10::TypeKind::FloatType && PyFloat_CheckExact(p)) {
+    stack.emplace_back(PyFloat_AS_DOUBLE(p));
+  } else {
+    return convert(obj, arg, stack);
+  }
+  return true;
+}
 
-}  // namespace
+// Anything else (another type, a number of another kind): torch's own conversion, its failure a
+// TypeError that names the argument.
+bool EagerOp::convert(py::handle obj, const c10::Argument& arg, torch::jit::Stack& stack) const {
+  try {
+    stack.push_back(torch::jit::toIValue(obj, arg.real_type()));
+  } catch (const std::exception&) {  // (pybind's cast error says nothing more)
+    TORCH_CHECK_TYPE(false, op_.schema().name(), ": argument '", arg.name(), "' must be ",
+                     arg.real_type()->repr_str(), ", got ", Py_TYPE(obj.ptr())->tp_name);
+  }
+  return true;
+}
+
+// As torch decides it: a subclass of Tensor whose __torch_function__ is not the disabled one
+// (nn.Parameter's is).
+bool EagerOp::overrides_torch_function(py::handle obj) const {
+  const py::object impl = py::getattr(obj, "__torch_function__", py::none());
+  return !impl.is_none() && !impl.is(disabled_);
+}
 
 void bind_eager_op(py::module_& m) {
   py::class_<EagerOp>(m, "EagerOp",

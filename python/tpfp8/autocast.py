@@ -19,6 +19,11 @@ def _stack():
     return stack
 
 
+def frames() -> threading.local:
+    """The thread-local state whose ``stack`` holds each thread's frames (innermost last)."""
+    return _state
+
+
 def current():
     """The innermost active FP8 frame (recipe, amax_group, ...), or None in high precision
     (fp8_autocast(enabled=False), or outside any)."""

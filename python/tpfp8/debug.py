@@ -185,6 +185,12 @@ def _rules_for(layer) -> list:
     return rules
 
 
+def rules_holder():
+    """The object whose ``rules`` are the rules set (falsy while none is): what native code
+    checks (tpfp8._C.CallTemplate)."""
+    return _State
+
+
 def options_for(layer) -> Optional[tuple]:
     """The debug options of `layer` at the current step as the ops take them -- (hp_fprop,
     hp_dgrad, hp_wgrad, fake activation, fake weight, fake gradient format or -1, the layer's

@@ -263,10 +263,11 @@ class Linear(nn.Linear):
         return state
 
     def _copied_state(self) -> dict:
-        """What a copy takes: all but the update plans this layer may keep (native, and made
-        again by the copy's first update)."""
+        """What a copy takes: all but the update plans and the call template this layer may
+        keep (native, and made again by the copy's first update and call)."""
         state = super().__getstate__()  # a copy already
         state.pop(_scaling.PLANS, None)
+        state.pop(_TEMPLATE, None)
         return state
 
     def __setstate__(self, state) -> None:
@@ -369,10 +370,56 @@ class Linear(nn.Linear):
         state, weight cache and ``weight.main_grad`` are only changed by calls that succeed.
         On the meta device it gives the output's shape and dtype and keeps nothing.
         """
+        if not torch.compiler.is_compiling():
+            template = self.__dict__.get(_TEMPLATE)
+            if template is not None:
+                out = template.run(self, x, is_first_microbatch)
+                if out is not None:
+                    return out
         call = self._begin(x, is_first_microbatch)
         y, prologue_out = _run_op(call.vet, call.compiling, _LINEAR, call.x, *call.op_args)
         self._end(call)
+        self._keep_template(call, x, is_first_microbatch)
         return self._outputs(y, self._config.return_bias, call.bias_out, prologue_out)
+
+    def _keep_template(self, call: "_Call", x, is_first_microbatch) -> None:
+        """After a call made the slow way: a template of it (`_C.CallTemplate`, see
+        csrc/call_template.cpp) that the calls after it run with less host time while the
+        template fits them -- where the call is one a template can repeat: eager, outside
+        checkpoints and backward, no torch.autocast, debug rule, new state or weight cache, or
+        main_grad to make; an exact tensor in; a plain Linear's op arguments."""
+        if not self._repeatable(call, x, is_first_microbatch):
+            return
+        frame, delayed = call.frame, call.state is not None
+        sources = [("weight", "_parameters", "weight")]
+        if not self._config.return_bias:  # (else the op adds none)
+            sources.append(("bias", "_parameters", "bias"))
+        if delayed:
+            sources += _STATE_SOURCES
+        if call.cache_mode == _WEIGHT_CACHE_REUSE:
+            sources += _CACHE_SOURCES
+        self.__dict__[_TEMPLATE] = _C.CallTemplate(
+            _LINEAR[1], (call.x, *call.op_args), sources, is_first_microbatch, self._config,
+            codes=None if frame is None else frame["codes"], delayed=delayed,
+            registers=delayed and call.cache_mode != _WEIGHT_CACHE_REUSE,
+            frame_group=frame["amax_group"] if delayed else None, amax_group=call.amax_group,
+            return_bias=self._config.return_bias, frames=_autocast.frames(),
+            debug=_debug.rules_holder())
+
+    def _repeatable(self, call: "_Call", x, is_first_microbatch) -> bool:
+        """Whether a template can repeat this call (see `_keep_template`)."""
+        cls = type(self)
+        return (
+            not call.compiling and call.checkpoints is None and type(x) is torch.Tensor
+            and call.x is x and x.device.type in ("cpu", "cuda")
+            and not torch.is_autocast_enabled(x.device.type)
+            and not torch._C._is_torch_function_mode_enabled()
+            and (is_first_microbatch is None or is_first_microbatch is False)
+            and not (call.new_state or call.new_cache or call.main_grad is not None)
+            and not self._config.fuse_wgrad_accumulation and not _debug.rules_holder().rules
+            and call.param is self._parameters.get("weight")
+            and cls._prologue is Linear._prologue and cls._outputs is Linear._outputs
+            and cls._prologue_needs_grad is Linear._prologue_needs_grad)
 
     def _begin(self, x, is_first_microbatch, input_needs_grad: Optional[bool] = None) -> "_Call":
         """Everything before the op: the recipe or the forward a checkpoint repeats, the input
@@ -586,6 +633,16 @@ _NO_PROLOGUE = (None, None, int(_C.Prologue.NONE), 0.0, False)
 _NO_STATE = (None, None, None, None)
 # Whether torch.autocast is on for any device: one call, before the per-device question.
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+# Where a layer keeps its call template (in its __dict__), and the tensors a template reads
+# from the layer at every call: (the op's argument, the layer's container, the entry).
+_TEMPLATE = "_fp8_call_template"
+_STATE_SOURCES = [("scale", "_buffers", "fp8_scale"),
+                  ("amax_history", "_buffers", "fp8_amax_history"),
+                  ("grad_amax_history", "_buffers", "fp8_grad_amax_history")]
+_CACHE_SOURCES = [("weight_cache_rowwise", "_buffers", "_fp8_weight_rowwise"),
+                  ("weight_cache_columnwise", "_buffers", "_fp8_weight_columnwise"),
+                  ("weight_cache_scale_inv", "_buffers", "_fp8_weight_scale_inv")]
 
 _WEIGHT_CACHE_NONE, _WEIGHT_CACHE_FILL, _WEIGHT_CACHE_REUSE = (
     int(_C.WeightCache.NONE), int(_C.WeightCache.FILL), int(_C.WeightCache.REUSE))

@@ -1,0 +1,265 @@
+// A layer's eager forward, worked out once. Before its op, tpfp8.Linear's Python works out ~30
+// arguments from the fp8_autocast frame, the checkpoints around the call, the weight cache and the
+// state made for the recipe: more host time than the op's own C++ for a small layer. Most calls
+// of a layer decide all of it the same way, so tpfp8/module.py makes a template from a call made
+// the slow way: the arguments that stay the same from call to call, converted once; where the
+// tensors come from -- read from the layer's `_parameters` and `_buffers` at every call, so a
+// tensor replaced in between is simply the one the call reads, and no tensor is held; and the two
+// gradient flags, from the input and the weight. (A tensor not in its container is looked for in
+// the layer's __dict__, as nn.Module finds a bias of None; where neither has it, the slow path.)
+//
+// run() calls the op only where everything the slow path based those arguments on still holds,
+// and registers the layer for the frame's delayed-scaling update as the slow path does; anywhere
+// else it returns None and the module takes the slow path (which makes a new template).
+#include "call_template.h"
+
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/SavedTensorHooks.h>
+#include <ATen/autocast_mode.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/extension.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "eager_op.h"
+
+namespace py = pybind11;
+
+namespace tpfp8 {
+namespace {
+
+// A borrowed dict entry, or null (also when `dict` is null or not a dict).
+PyObject* entry(PyObject* dict, PyObject* key) {
+  if (dict == nullptr || !PyDict_Check(dict)) return nullptr;
+  PyObject* value = PyDict_GetItemWithError(dict, key);
+  if (value == nullptr && PyErr_Occurred()) throw py::error_already_set();
+  return value;
+}
+
+// Whether `a == b` (identity first, as Python's `==` on containers does).
+bool equal(PyObject* a, PyObject* b) {
+  if (a == nullptr || b == nullptr) return false;
+  const int eq = PyObject_RichCompareBool(a, b, Py_EQ);
+  if (eq < 0) throw py::error_already_set();
+  return eq == 1;
+}
+
+// The innermost fp8_autocast frame in FP8 (tpfp8.autocast.current()), or null.
+PyObject* current_frame(const py::object& frames, const py::str& stack_name,
+                        const py::str& recipe_name) {
+  const py::object stack =
+      py::reinterpret_steal<py::object>(PyObject_GetAttr(frames.ptr(), stack_name.ptr()));
+  if (!stack) {  // (no frame ever entered on this thread)
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw py::error_already_set();
+    PyErr_Clear();
+    return nullptr;
+  }
+  if (!PyList_Check(stack.ptr()) || PyList_GET_SIZE(stack.ptr()) == 0) return nullptr;
+  PyObject* top = PyList_GET_ITEM(stack.ptr(), PyList_GET_SIZE(stack.ptr()) - 1);
+  PyObject* recipe = entry(top, recipe_name.ptr());
+  return recipe == nullptr || recipe == Py_None ? nullptr : top;
+}
+
+// What one of the op's arguments is at each call.
+enum class Slot { kConstant, kInput, kSource, kInputGrad, kWeightGrad };
+
+// What a call made the slow way took for granted, and the op's arguments it chose.
+struct Expected {
+  py::object is_first_microbatch;  // None or False (the same object)
+  py::object config;               // the layer's `_config` (a frozen value)
+  py::object codes;                // the frame's recipe codes; None: outside any FP8 frame
+  bool delayed;                    // delayed scaling: the layer's state and amax group too
+  bool registers;                  // registers the layer for the frame's update
+  py::object frame_group;          // the frame's amax_group (delayed)
+  py::object amax_group;           // the layer's `_fp8_amax_group` it led to (delayed)
+  bool return_bias;                // returns (y, bias), the op adding none
+};
+
+class CallTemplate {
+ public:
+  CallTemplate(py::object op, const py::tuple& args,
+               const std::vector<std::tuple<std::string, py::str, py::str>>& sources,
+               Expected expected, py::object frames, py::object debug)
+      : op_object_(std::move(op)),
+        op_(op_object_.cast<const EagerOp*>()),
+        expected_(std::move(expected)),
+        frames_(std::move(frames)),
+        debug_(std::move(debug)) {
+    const c10::FunctionSchema& schema = op_->schema();
+    TORCH_CHECK_VALUE(args.size() == schema.arguments().size(), "CallTemplate: ", schema.name(),
+                      " takes ", schema.arguments().size(), " arguments, got ", args.size());
+    slots_.assign(args.size(), Slot::kConstant);
+    slots_[0] = Slot::kInput;
+    slots_[index("need_dgrad")] = Slot::kInputGrad;
+    slots_[index("need_wgrad")] = Slot::kWeightGrad;
+    for (const auto& [arg, container, name] : sources) {
+      const size_t i = index(arg);
+      slots_[i] = Slot::kSource;
+      sources_.emplace_back(i, container, name);
+    }
+    weight_ = index("weight");
+    scale_ = index("scale");
+    TORCH_CHECK_VALUE(slots_[weight_] == Slot::kSource, "CallTemplate: the weight needs a source");
+    TORCH_CHECK_VALUE(!expected_.delayed || slots_[scale_] == Slot::kSource,
+                      "CallTemplate: delayed scaling reads the layer's scale");
+    for (size_t i = 0; i < args.size(); ++i) {
+      if (slots_[i] != Slot::kConstant) {
+        constants_.emplace_back();
+      } else if (!op_->push(args[i], i, constants_)) {
+        TORCH_CHECK_TYPE(false, "CallTemplate: argument ", i, " overrides __torch_function__");
+      }
+    }
+  }
+
+  // The layer's output for `x` (y, or (y, bias) with return_bias), or None where the template does
+  // not fit this call.
+  py::object run(py::handle layer, py::handle x, py::handle is_first_microbatch) const {
+    if (is_first_microbatch.ptr() != expected_.is_first_microbatch.ptr()) return py::none();
+    if (!THPVariable_CheckExact(x.ptr()) || !context_allows()) return py::none();
+    const at::Tensor& input = THPVariable_Unpack(x.ptr());
+    const c10::DeviceType device = input.device().type();
+    if (device != c10::DeviceType::CPU && device != c10::DeviceType::CUDA) return py::none();
+    if (at::autocast::is_autocast_enabled(device) || !no_debug_rules()) return py::none();
+    const py::object attrs =
+        py::reinterpret_steal<py::object>(PyObject_GenericGetDict(layer.ptr(), nullptr));
+    if (!attrs) throw py::error_already_set();
+    if (entry(attrs.ptr(), config_name_.ptr()) != expected_.config.ptr()) return py::none();
+    PyObject* frame = current_frame(frames_, stack_name_, recipe_name_);
+    if (!frame_fits(frame, attrs.ptr())) return py::none();
+    torch::jit::Stack stack;
+    if (!arguments(input, attrs.ptr(), stack)) return py::none();
+    if (expected_.delayed && stack[scale_].toTensor().device() != input.device()) {
+      return py::none();
+    }
+    const py::tuple out = op_->call(stack);
+    if (expected_.registers) {
+      PyObject* ran = entry(frame, ran_name_.ptr());
+      if (ran == nullptr || PyDict_SetItem(ran, layer.ptr(), layer.ptr()) != 0) {
+        throw py::error_already_set();
+      }
+    }
+    if (!expected_.return_bias) return out[0];
+    PyObject* bias = entry(entry(attrs.ptr(), parameters_name_.ptr()), bias_name_.ptr());
+    if (bias == nullptr) bias = entry(attrs.ptr(), bias_name_.ptr());
+    return py::make_tuple(out[0], py::handle(bias ? bias : Py_None));
+  }
+
+ private:
+  size_t index(const std::string& name) const {
+    const std::optional<int> i = op_->schema().argumentIndexWithName(name);
+    TORCH_CHECK_VALUE(i.has_value(), "CallTemplate: ", op_->schema().name(), " has no argument '",
+                      name, "'");
+    return static_cast<size_t>(*i);
+  }
+
+  // What tpfp8.checkpointing.around() answers with None (no checkpoint around the call, outside
+  // backward) and the module's checks of torch function modes.
+  static bool context_allows() {
+    return !at::impl::torch_function_mode_enabled() && c10::GradMode::is_enabled() &&
+           !at::SavedTensorDefaultHooks::get_hooks().has_value() &&
+           torch::autograd::get_current_graph_task_id() == -1;
+  }
+
+  bool no_debug_rules() const {
+    const py::object rules =
+        py::reinterpret_steal<py::object>(PyObject_GetAttr(debug_.ptr(), rules_name_.ptr()));
+    if (!rules) throw py::error_already_set();
+    const int truth = PyObject_IsTrue(rules.ptr());
+    if (truth < 0) throw py::error_already_set();
+    return truth == 0;
+  }
+
+  // Whether the frame (null: none in FP8) is one the template's arguments were chosen for.
+  bool frame_fits(PyObject* frame, PyObject* attrs) const {
+    if (expected_.codes.is_none()) return frame == nullptr;
+    if (frame == nullptr || !equal(entry(frame, codes_name_.ptr()), expected_.codes.ptr())) {
+      return false;
+    }
+    if (!expected_.delayed) return true;
+    // The layer's state made for this recipe (else the slow path makes it), its amax group the
+    // one this frame leads to, and an FP8 forward run before.
+    return equal(entry(attrs, key_name_.ptr()), entry(frame, key_name_frame_.ptr())) &&
+           entry(frame, group_name_.ptr()) == expected_.frame_group.ptr() &&
+           entry(attrs, amax_group_name_.ptr()) == expected_.amax_group.ptr() &&
+           entry(attrs, ran_fp8_name_.ptr()) == Py_True;
+  }
+
+  // The op's arguments for `x`; false where a source is missing or needs __torch_function__.
+  bool arguments(const at::Tensor& input, PyObject* attrs, torch::jit::Stack& stack) const {
+    stack = constants_;
+    stack[0] = input;
+    torch::jit::Stack read;
+    read.reserve(sources_.size());
+    for (const auto& [i, container, name] : sources_) {
+      PyObject* value = entry(entry(attrs, container.ptr()), name.ptr());
+      if (value == nullptr) value = entry(attrs, name.ptr());  // (a plain attribute: bias=None)
+      if (value == nullptr || !op_->push(value, i, read)) return false;
+      stack[i] = std::move(read.back());
+    }
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      if (slots_[i] == Slot::kInputGrad) stack[i] = input.requires_grad();
+      if (slots_[i] == Slot::kWeightGrad) {
+        stack[i] = stack[weight_].isTensor() && stack[weight_].toTensor().requires_grad();
+      }
+    }
+    return true;
+  }
+
+  py::object op_object_;
+  const EagerOp* op_;
+  Expected expected_;
+  py::object frames_;  // tpfp8.autocast's thread-local stack of frames
+  py::object debug_;   // tpfp8.debug's state: its `rules`
+  std::vector<Slot> slots_;
+  std::vector<std::tuple<size_t, py::str, py::str>> sources_;
+  torch::jit::Stack constants_;
+  size_t weight_ = 0, scale_ = 0;
+  const py::str config_name_{"_config"}, stack_name_{"stack"}, recipe_name_{"recipe"},
+      codes_name_{"codes"}, key_name_{"_fp8_recipe_key"}, key_name_frame_{"key"},
+      group_name_{"amax_group"}, amax_group_name_{"_fp8_amax_group"}, ran_fp8_name_{"_fp8_ran_fp8"},
+      ran_name_{"ran"}, parameters_name_{"_parameters"}, bias_name_{"bias"}, rules_name_{"rules"};
+};
+
+}  // namespace
+
+void bind_call_template(py::module_& m) {
+  py::class_<CallTemplate>(m, "CallTemplate",
+                           "A layer's eager forward call, worked out once from a call made the "
+                           "slow way, checked at every call (tpfp8.module.Linear.forward)")
+      .def(py::init([](py::object op, const py::tuple& args,
+                       const std::vector<std::tuple<std::string, py::str, py::str>>& sources,
+                       py::object is_first_microbatch, py::object config, py::object codes,
+                       bool delayed, bool registers, py::object frame_group, py::object amax_group,
+                       bool return_bias, py::object frames, py::object debug) {
+             Expected expected{std::move(is_first_microbatch),
+                               std::move(config),
+                               std::move(codes),
+                               delayed,
+                               registers,
+                               std::move(frame_group),
+                               std::move(amax_group),
+                               return_bias};
+             return CallTemplate(std::move(op), args, sources, std::move(expected),
+                                 std::move(frames), std::move(debug));
+           }),
+           py::arg("op"), py::arg("args"), py::arg("sources"), py::arg("is_first_microbatch"),
+           py::arg("config"), py::arg("codes"), py::arg("delayed"), py::arg("registers"),
+           py::arg("frame_group"), py::arg("amax_group"), py::arg("return_bias"), py::arg("frames"),
+           py::arg("debug"),
+           "`op` (an EagerOp) and all its arguments `args` as a call made the slow way passed "
+           "them; `sources`: (argument, container, entry) for each tensor read from the layer "
+           "at every call (layer.<container>[entry]); the rest: what that call took for granted "
+           "(the frame's recipe codes, None outside FP8; under delayed scaling the frame's and "
+           "the layer's amax groups); `frames`: tpfp8.autocast's thread-local frames; `debug`: "
+           "an object whose `rules` are falsy while no debug rule is set")
+      .def("run", &CallTemplate::run, py::arg("layer"), py::arg("x"),
+           py::arg("is_first_microbatch"),
+           "The layer's output for `x` (y, or (y, bias) with return_bias), or None where the "
+           "template does not fit this call (take the slow path)");
+}
+
+}  // namespace tpfp8

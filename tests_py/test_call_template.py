@@ -1,0 +1,317 @@
+"""A layer's call template (tpfp8._C.CallTemplate): after a call made the slow way, the calls of
+a layer that decide everything the same way run from a template with less host time. These tests
+hold it to the slow path bit for bit -- the twin of each layer runs under a torch-function mode,
+which always takes the slow path (and torch.ops) -- through everything that can change between
+calls: state or parameters replaced, recipes, settings, gradient needs, checkpoints, autocast,
+debug rules; and check that the template takes the calls it should, holds no tensor, and leaves
+the layer untouched when its op refuses a call."""
+import copy
+import gc
+import threading
+import weakref
+from unittest import mock
+
+import pytest
+import torch
+import torch.utils.checkpoint
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+import tpfp8
+
+BF16 = {"dtype": torch.bfloat16}
+
+
+class SlowPath(TorchFunctionMode):
+    """Runs every function as it is: under it a layer never uses its template."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _pair(device, bias=True, **kwargs):
+    torch.manual_seed(0)
+    layer = tpfp8.Linear(64, 32, bias=bias, device=device, **BF16, **kwargs)
+    return layer, copy.deepcopy(layer)
+
+
+def _step(layer, x, recipe=tpfp8.DelayedScaling(), fp8=True, is_first_microbatch=None,
+          context=None):
+    """One training step: what it gives (outputs and gradients) and the layer's state after."""
+    x = x.detach().requires_grad_(x.requires_grad)
+    with tpfp8.fp8_autocast(enabled=fp8, recipe=recipe), context or _nothing():
+        out = layer(x, is_first_microbatch=is_first_microbatch)
+    y = out[0] if isinstance(out, tuple) else out
+    if torch.is_grad_enabled() and y.requires_grad:
+        y.float().square().sum().backward()
+    results = [*(out if isinstance(out, tuple) else (out,)), x.grad]
+    results += [p.grad for p in layer.parameters()]
+    results += [getattr(p, "main_grad", None) for p in layer.parameters()]
+    results += [b for b in layer.buffers() if b is not None]
+    for p in layer.parameters():
+        p.grad = None
+    return [r.clone() if isinstance(r, torch.Tensor) else r for r in results]
+
+
+def _outcome(layer, x, **kwargs):
+    try:
+        return _step(layer, x, **kwargs)
+    except (ValueError, TypeError, RuntimeError) as e:
+        for p in layer.parameters():
+            p.grad = None
+        return e
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _same(layer, twin, x, **kwargs):
+    """The same step of both layers gives the same bytes, or is refused the same way."""
+    mine = _outcome(layer, x, **kwargs)
+    with SlowPath():
+        theirs = _outcome(twin, x, **kwargs)
+    if isinstance(theirs, Exception):
+        assert (type(mine), str(mine)) == (type(theirs), str(theirs))
+        return
+    assert len(mine) == len(theirs)
+    for a, b in zip(mine, theirs):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)
+        else:
+            assert a is b is None
+
+
+def _input(device, requires_grad=True):
+    torch.manual_seed(1)
+    return torch.randn(16, 64, device=device, **BF16).requires_grad_(requires_grad)
+
+
+def _on_both(layer, twin, change):
+    change(layer)
+    change(twin)
+
+
+RECIPES = {"delayed": tpfp8.DelayedScaling(), "current": tpfp8.CurrentScaling()}
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("recipe", ["delayed", "current", "high precision"])
+def test_templated_steps_equal_the_slow_path(device, recipe, bias):
+    layer, twin = _pair(device, bias=bias)
+    x = _input(device)
+    kwargs = {"recipe": RECIPES.get(recipe), "fp8": recipe in RECIPES}
+    for _ in range(4):  # (each step uses the previous step's delayed-scaling update)
+        _same(layer, twin, x, **kwargs)
+
+
+def test_the_template_takes_the_calls_after_the_first(device):
+    layer, _ = _pair(device)
+    x = _input(device)
+    _step(layer, x)
+    with mock.patch.object(tpfp8.Linear, "_begin", side_effect=AssertionError("slow path")):
+        for _ in range(3):
+            _step(layer, x)
+            _step(layer, x, fp8=True, recipe=tpfp8.DelayedScaling())  # (another frame)
+
+
+def _replace_state(layer):
+    """Replaces the state tensors past nn.Module's __setattr__, as FSDP-style code does."""
+    for name in ("fp8_scale", "fp8_amax_history", "fp8_grad_amax_history"):
+        layer._buffers[name] = layer._buffers[name].clone() * 2
+
+
+def _replace_weight(layer):
+    layer.weight = nn.Parameter(layer.weight.detach() * 0.5)
+
+
+def _add_bias(layer):
+    torch.manual_seed(2)
+    layer.bias = nn.Parameter(torch.randn(32, device=layer.weight.device, **BF16))
+
+
+CHANGES = {
+    "state replaced": _replace_state,
+    "weight replaced": _replace_weight,
+    "weight frozen": lambda layer: layer.weight.requires_grad_(False),
+    "bias frozen": lambda layer: layer.bias.requires_grad_(False),
+    "bias dropped": lambda layer: setattr(layer, "bias", None),
+    "return_bias": lambda layer: setattr(layer, "return_bias", True),
+    "save_original_input": lambda layer: setattr(layer, "save_original_input", True),
+    "fuse_wgrad_accumulation": lambda layer: setattr(layer, "fuse_wgrad_accumulation", True),
+    "weight's data replaced": lambda layer: setattr(layer.weight, "data",
+                                                    layer.weight.detach() * 2),
+    "state reloaded": lambda layer: layer.load_state_dict(layer.state_dict()),
+    "reset": lambda layer: (torch.manual_seed(3), layer.reset_parameters()),
+}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_layer_changed_between_calls_computes_as_changed(device, change, recipe):
+    """(save_original_input under delayed scaling: refused the same way by both.)"""
+    layer, twin = _pair(device)
+    x = _input(device)
+    recipe = RECIPES[recipe]
+    for _ in range(2):
+        _same(layer, twin, x, recipe=recipe)
+    _on_both(layer, twin, CHANGES[change])
+    for _ in range(3):
+        _same(layer, twin, x, recipe=recipe)
+
+
+def test_a_bias_added_to_a_layer_without_one_is_added(device):
+    layer, twin = _pair(device, bias=False)
+    x = _input(device)
+    _same(layer, twin, x)
+    _same(layer, twin, x)
+    _on_both(layer, twin, _add_bias)
+    _same(layer, twin, x)
+    assert layer.bias.grad is None  # (_step clears it; it was computed: compared above)
+
+
+STEPS = {
+    "history length": {"recipe": tpfp8.DelayedScaling(amax_history_len=4)},
+    "margin": {"recipe": tpfp8.DelayedScaling(margin=1)},
+    "format": {"recipe": tpfp8.DelayedScaling(fp8_format="e4m3")},
+    "current scaling": {"recipe": tpfp8.CurrentScaling()},
+    "high precision": {"fp8": False},
+    "input without grad": {"x_grad": False},
+    "no grad": {"context": torch.no_grad()},
+    "inference mode": {"context": torch.inference_mode()},
+}
+
+
+@pytest.mark.parametrize("other", STEPS)
+def test_calls_that_decide_otherwise_take_the_slow_path(device, other):
+    """Between templated steps, a step that decides something otherwise; then back."""
+    layer, twin = _pair(device)
+    kwargs = dict(STEPS[other])
+    x = _input(device, kwargs.pop("x_grad", True))
+    plain = _input(device)
+    for _ in range(2):
+        _same(layer, twin, plain)
+    for _ in range(2):
+        _same(layer, twin, x, **kwargs)
+    for _ in range(2):
+        _same(layer, twin, plain)
+
+
+def test_is_first_microbatch_sequences(device):
+    layer, twin = _pair(device)
+    x = _input(device)
+    for first in (None, True, False, False, True, False, None, False):
+        _same(layer, twin, x, is_first_microbatch=first)
+
+
+class _Checkpointed(nn.Module):
+    """The layer under torch.utils.checkpoint (its parameters and state are the layer's)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x, is_first_microbatch=None):
+        return torch.utils.checkpoint.checkpoint(self.layer, x, use_reentrant=False)
+
+
+def test_checkpointed_and_autocast_calls(device):
+    layer, twin = _pair(device)
+    x = _input(device)
+    _same(layer, twin, x)
+    _same(layer, twin, x)
+    _same(_Checkpointed(layer), _Checkpointed(twin), x)
+    _same(layer, twin, x)
+    x32 = x.detach().float().requires_grad_()
+    _same(layer, twin, x32, context=torch.autocast(device, dtype=torch.bfloat16))
+    _same(layer, twin, x)
+
+
+def test_debug_rules_set_between_calls_apply(device, tmp_path):
+    layer, twin = _pair(device, name="fc1")
+    x = _input(device)
+    _same(layer, twin, x)
+    _same(layer, twin, x)
+    rule = {"layers": "fc1", "features": {"disable_fp8_gemm": {"gemms": ["fprop"]}}}
+    tpfp8.debug.initialize([rule])
+    try:
+        _same(layer, twin, x)
+        _same(layer, twin, x)
+    finally:
+        tpfp8.debug.shutdown()
+    _same(layer, twin, x)
+
+
+def test_the_template_holds_no_tensor(device):
+    """A replaced weight is freed, and torch.utils.swap_tensors (which refuses tensors that
+    something else holds) works on a templated layer's weight."""
+    layer, _ = _pair(device)
+    x = _input(device)
+    for _ in range(2):
+        _step(layer, x)
+    old = weakref.ref(layer.weight)
+    _replace_weight(layer)
+    gc.collect()
+    assert old() is None
+    _step(layer, x)
+    _step(layer, x)
+    other = nn.Parameter(torch.zeros_like(layer.weight))
+    torch.utils.swap_tensors(layer.weight, other)
+    assert layer.weight.abs().sum() == 0
+
+
+def test_a_refused_call_leaves_the_layer_untouched(device):
+    layer, twin = _pair(device)
+    x = _input(device)
+    _same(layer, twin, x)
+    _same(layer, twin, x)
+    before = [b.clone() for b in layer.buffers() if b is not None]
+    with tpfp8.fp8_autocast():
+        with pytest.raises(ValueError):
+            layer(torch.randn(16, 48, device=device, **BF16))
+    after = [b for b in layer.buffers() if b is not None]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    _same(layer, twin, x)
+
+
+def test_copies_and_pickles_of_a_templated_layer(device):
+    layer, twin = _pair(device)
+    x = _input(device)
+    _same(layer, twin, x)
+    _same(layer, twin, x)
+    for copied in (copy.deepcopy(layer), _pickled(layer)):
+        twin_copy = copy.deepcopy(twin)
+        for _ in range(2):
+            _same(copied, twin_copy, x)
+
+
+def _pickled(layer):
+    import io
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def test_a_thread_outside_fp8_autocast_computes_in_high_precision(device):
+    """Frames are per thread: while this thread is inside fp8_autocast, another thread's call
+    of the same templated layer is in high precision, and registers nothing here."""
+    layer, twin = _pair(device)
+    x = _input(device)
+    _same(layer, twin, x)
+    _same(layer, twin, x)
+    out = []
+    with tpfp8.fp8_autocast():
+        layer(x)
+        thread = threading.Thread(target=lambda: out.append(layer(x.detach())))
+        thread.start()
+        thread.join()
+    with SlowPath():
+        with tpfp8.fp8_autocast():
+            twin(x)
+        assert torch.equal(out[0], twin(x.detach()))
+    _same(layer, twin, x)
