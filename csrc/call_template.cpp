@@ -6,7 +6,8 @@
 // tensors come from -- read from the layer's `_parameters` and `_buffers` at every call, so a
 // tensor replaced in between is simply the one the call reads, and no tensor is held; and the two
 // gradient flags, from the input and the weight. (A tensor not in its container is looked for in
-// the layer's __dict__, as nn.Module finds a bias of None; where neither has it, the slow path.)
+// the layer's __dict__, where a bias=False layer keeps its None; where neither has it, or where a
+// tensor that was there is None, the slow path decides.)
 //
 // run() calls the op only where everything the slow path based those arguments on still holds,
 // and registers the layer for the frame's delayed-scaling update as the slow path does; anywhere
@@ -40,6 +41,11 @@ PyObject* entry(PyObject* dict, PyObject* key) {
   return value;
 }
 
+// The same entry, held (a null object where there is none).
+py::object held(PyObject* dict, PyObject* key) {
+  return py::reinterpret_borrow<py::object>(entry(dict, key));
+}
+
 // Whether `a == b` (identity first, as Python's `==` on containers does).
 bool equal(PyObject* a, PyObject* b) {
   if (a == nullptr || b == nullptr) return false;
@@ -48,20 +54,21 @@ bool equal(PyObject* a, PyObject* b) {
   return eq == 1;
 }
 
-// The innermost fp8_autocast frame in FP8 (tpfp8.autocast.current()), or null.
-PyObject* current_frame(const py::object& frames, const py::str& stack_name,
-                        const py::str& recipe_name) {
+// The innermost fp8_autocast frame in FP8 (tpfp8.autocast.current()), or a null object.
+py::object current_frame(const py::object& frames, const py::str& stack_name,
+                         const py::str& recipe_name) {
   const py::object stack =
       py::reinterpret_steal<py::object>(PyObject_GetAttr(frames.ptr(), stack_name.ptr()));
   if (!stack) {  // (no frame ever entered on this thread)
     if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw py::error_already_set();
     PyErr_Clear();
-    return nullptr;
+    return py::object();
   }
-  if (!PyList_Check(stack.ptr()) || PyList_GET_SIZE(stack.ptr()) == 0) return nullptr;
+  if (!PyList_Check(stack.ptr()) || PyList_GET_SIZE(stack.ptr()) == 0) return py::object();
   PyObject* top = PyList_GET_ITEM(stack.ptr(), PyList_GET_SIZE(stack.ptr()) - 1);
   PyObject* recipe = entry(top, recipe_name.ptr());
-  return recipe == nullptr || recipe == Py_None ? nullptr : top;
+  if (recipe == nullptr || recipe == Py_None) return py::object();
+  return py::reinterpret_borrow<py::object>(top);
 }
 
 // What one of the op's arguments is at each call.
@@ -99,7 +106,7 @@ class CallTemplate {
     for (const auto& [arg, container, name] : sources) {
       const size_t i = index(arg);
       slots_[i] = Slot::kSource;
-      sources_.emplace_back(i, container, name);
+      sources_.push_back({i, container, name, args[i].is_none()});
     }
     weight_ = index("weight");
     scale_ = index("scale");
@@ -128,24 +135,24 @@ class CallTemplate {
         py::reinterpret_steal<py::object>(PyObject_GenericGetDict(layer.ptr(), nullptr));
     if (!attrs) throw py::error_already_set();
     if (entry(attrs.ptr(), config_name_.ptr()) != expected_.config.ptr()) return py::none();
-    PyObject* frame = current_frame(frames_, stack_name_, recipe_name_);
-    if (!frame_fits(frame, attrs.ptr())) return py::none();
+    const py::object frame = current_frame(frames_, stack_name_, recipe_name_);
+    if (!frame_fits(frame.ptr(), attrs.ptr())) return py::none();
     torch::jit::Stack stack;
     if (!arguments(input, attrs.ptr(), stack)) return py::none();
     if (expected_.delayed && stack[scale_].toTensor().device() != input.device()) {
       return py::none();
     }
+    // What the call gives back and registers in, found before the op runs.
+    const py::object bias =
+        expected_.return_bias ? source(attrs.ptr(), parameters_name_, bias_name_) : py::none();
+    const py::object ran = expected_.registers ? held(frame.ptr(), ran_name_.ptr()) : py::none();
+    if (!bias || !ran || (expected_.registers && !PyDict_Check(ran.ptr()))) return py::none();
     const py::tuple out = op_->call(stack);
-    if (expected_.registers) {
-      PyObject* ran = entry(frame, ran_name_.ptr());
-      if (ran == nullptr || PyDict_SetItem(ran, layer.ptr(), layer.ptr()) != 0) {
-        throw py::error_already_set();
-      }
+    if (expected_.registers && PyDict_SetItem(ran.ptr(), layer.ptr(), layer.ptr()) != 0) {
+      throw py::error_already_set();
     }
     if (!expected_.return_bias) return out[0];
-    PyObject* bias = entry(entry(attrs.ptr(), parameters_name_.ptr()), bias_name_.ptr());
-    if (bias == nullptr) bias = entry(attrs.ptr(), bias_name_.ptr());
-    return py::make_tuple(out[0], py::handle(bias ? bias : Py_None));
+    return py::make_tuple(out[0], bias);
   }
 
  private:
@@ -189,16 +196,25 @@ class CallTemplate {
   }
 
   // The op's arguments for `x`; false where a source is missing or needs __torch_function__.
+  // layer.<container>[name], else the layer's own attribute `name` (held; null if neither).
+  static py::object source(PyObject* attrs, const py::str& container, const py::str& name) {
+    py::object value = held(entry(attrs, container.ptr()), name.ptr());
+    return value ? value : held(attrs, name.ptr());
+  }
+
+  // The op's arguments for `x`; false where a source is missing, is None where the template's
+  // call had a tensor, or needs __torch_function__.
   bool arguments(const at::Tensor& input, PyObject* attrs, torch::jit::Stack& stack) const {
     stack = constants_;
     stack[0] = input;
     torch::jit::Stack read;
     read.reserve(sources_.size());
-    for (const auto& [i, container, name] : sources_) {
-      PyObject* value = entry(entry(attrs, container.ptr()), name.ptr());
-      if (value == nullptr) value = entry(attrs, name.ptr());  // (a plain attribute: bias=None)
-      if (value == nullptr || !op_->push(value, i, read)) return false;
-      stack[i] = std::move(read.back());
+    for (const Source& s : sources_) {
+      const py::object value = source(attrs, s.container, s.name);
+      if (!value || (value.is_none() && !s.nullable) || !op_->push(value, s.index, read)) {
+        return false;
+      }
+      stack[s.index] = std::move(read.back());
     }
     for (size_t i = 0; i < slots_.size(); ++i) {
       if (slots_[i] == Slot::kInputGrad) stack[i] = input.requires_grad();
@@ -215,7 +231,12 @@ class CallTemplate {
   py::object frames_;  // tpfp8.autocast's thread-local stack of frames
   py::object debug_;   // tpfp8.debug's state: its `rules`
   std::vector<Slot> slots_;
-  std::vector<std::tuple<size_t, py::str, py::str>> sources_;
+  struct Source {
+    size_t index;  // of the op's argument
+    py::str container, name;
+    bool nullable;  // None in the call the template was made from
+  };
+  std::vector<Source> sources_;
   torch::jit::Stack constants_;
   size_t weight_ = 0, scale_ = 0;
   const py::str config_name_{"_config"}, stack_name_{"stack"}, recipe_name_{"recipe"},

@@ -13,6 +13,7 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.nn.utils.parametrize
 import torch.utils.checkpoint
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -56,7 +57,7 @@ def _step(layer, x, recipe=tpfp8.DelayedScaling(), fp8=True, is_first_microbatch
 def _outcome(layer, x, **kwargs):
     try:
         return _step(layer, x, **kwargs)
-    except (ValueError, TypeError, RuntimeError) as e:
+    except (ValueError, TypeError, RuntimeError, AttributeError) as e:
         for p in layer.parameters():
             p.grad = None
         return e
@@ -147,6 +148,8 @@ CHANGES = {
                                                     layer.weight.detach() * 2),
     "state reloaded": lambda layer: layer.load_state_dict(layer.state_dict()),
     "reset": lambda layer: (torch.manual_seed(3), layer.reset_parameters()),
+    "weight removed": lambda layer: setattr(layer, "weight", None),
+    "scale removed": lambda layer: layer._buffers.__setitem__("fp8_scale", None),
 }
 
 
@@ -162,6 +165,55 @@ def test_a_layer_changed_between_calls_computes_as_changed(device, change, recip
     _on_both(layer, twin, CHANGES[change])
     for _ in range(3):
         _same(layer, twin, x, recipe=recipe)
+
+
+class _Doubled(nn.Module):
+    def forward(self, t):
+        return t * 2
+
+
+def _bias_as_buffer(layer):
+    bias = layer.bias.detach().clone()
+    del layer.bias
+    layer.register_buffer("bias", bias)
+
+
+BIASES = {
+    "parametrized": lambda layer: torch.nn.utils.parametrize.register_parametrization(
+        layer, "bias", _Doubled()),
+    "a buffer": _bias_as_buffer,
+}
+
+
+@pytest.mark.parametrize("return_bias", [False, True])
+@pytest.mark.parametrize("where", BIASES)
+def test_a_bias_kept_elsewhere_is_found(device, where, return_bias):
+    """A bias that is not a parameter of the layer (parametrized, a buffer) is what the
+    layer adds or returns, every call."""
+    layer, twin = _pair(device, return_bias=return_bias)
+    x = _input(device)
+    _same(layer, twin, x)
+    _on_both(layer, twin, BIASES[where])
+    for _ in range(3):
+        _same(layer, twin, x)
+
+
+class _Counting(tpfp8.Linear):
+    """A subclass with bookkeeping of its own in the slow path."""
+
+    commits = 0
+
+    def _commit(self, *args, **kwargs):
+        type(self).commits += 1
+        return super()._commit(*args, **kwargs)
+
+
+def test_a_subclass_overriding_the_slow_path_keeps_it(device):
+    layer = _Counting(64, 32, device=device, **BF16)
+    x = _input(device)
+    for _ in range(4):
+        _step(layer, x)
+    assert _Counting.commits == 4
 
 
 def test_a_bias_added_to_a_layer_without_one_is_added(device):

@@ -19,7 +19,7 @@ def _stack():
     return stack
 
 
-def frames() -> threading.local:
+def thread_state() -> threading.local:
     """The thread-local state whose ``stack`` holds each thread's frames (innermost last)."""
     return _state
 

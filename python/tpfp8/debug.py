@@ -185,7 +185,7 @@ def _rules_for(layer) -> list:
     return rules
 
 
-def rules_holder():
+def state():
     """The object whose ``rules`` are the rules set (falsy while none is): what native code
     checks (tpfp8._C.CallTemplate)."""
     return _State

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import warnings
+import weakref
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -391,35 +392,42 @@ class Linear(nn.Linear):
         if not self._repeatable(call, x, is_first_microbatch):
             return
         frame, delayed = call.frame, call.state is not None
-        sources = [("weight", "_parameters", "weight")]
-        if not self._config.return_bias:  # (else the op adds none)
-            sources.append(("bias", "_parameters", "bias"))
+        sources = [("weight", "_parameters", "weight"), ("bias", "_parameters", "bias")]
         if delayed:
             sources += _STATE_SOURCES
         if call.cache_mode == _WEIGHT_CACHE_REUSE:
             sources += _CACHE_SOURCES
+        # As the template finds them; a value it could not pass (a subclass overriding
+        # __torch_function__, a property) would make it refuse every call.
+        if not all(type(self._source(c, n)) in _PLAIN for _, c, n in sources):
+            return
+        if self._config.return_bias:  # (the op adds none; the template returns it)
+            sources.pop(1)
         self.__dict__[_TEMPLATE] = _C.CallTemplate(
             _LINEAR[1], (call.x, *call.op_args), sources, is_first_microbatch, self._config,
             codes=None if frame is None else frame["codes"], delayed=delayed,
             registers=delayed and call.cache_mode != _WEIGHT_CACHE_REUSE,
             frame_group=frame["amax_group"] if delayed else None, amax_group=call.amax_group,
-            return_bias=self._config.return_bias, frames=_autocast.frames(),
-            debug=_debug.rules_holder())
+            return_bias=self._config.return_bias, frames=_autocast.thread_state(),
+            debug=_debug.state())
+
+    def _source(self, container: str, name: str):
+        """What a call template reads for a tensor: layer.<container>[name], else the layer's
+        own attribute (a bias of None); `_MISSING` where neither is."""
+        value = self.__dict__[container].get(name, _MISSING)
+        return self.__dict__.get(name, _MISSING) if value is _MISSING else value
 
     def _repeatable(self, call: "_Call", x, is_first_microbatch) -> bool:
         """Whether a template can repeat this call (see `_keep_template`)."""
-        cls = type(self)
         return (
             not call.compiling and call.checkpoints is None and type(x) is torch.Tensor
             and call.x is x and x.device.type in ("cpu", "cuda")
             and not torch.is_autocast_enabled(x.device.type)
             and not torch._C._is_torch_function_mode_enabled()
             and (is_first_microbatch is None or is_first_microbatch is False)
-            and not (call.new_state or call.new_cache or call.main_grad is not None)
-            and not self._config.fuse_wgrad_accumulation and not _debug.rules_holder().rules
-            and call.param is self._parameters.get("weight")
-            and cls._prologue is Linear._prologue and cls._outputs is Linear._outputs
-            and cls._prologue_needs_grad is Linear._prologue_needs_grad)
+            and not (call.new_state or call.new_cache)
+            and not self._config.fuse_wgrad_accumulation and not _debug.state().rules
+            and call.param is self._parameters.get("weight") and _templated_class(type(self)))
 
     def _begin(self, x, is_first_microbatch, input_needs_grad: Optional[bool] = None) -> "_Call":
         """Everything before the op: the recipe or the forward a checkpoint repeats, the input
@@ -643,6 +651,24 @@ _STATE_SOURCES = [("scale", "_buffers", "fp8_scale"),
 _CACHE_SOURCES = [("weight_cache_rowwise", "_buffers", "_fp8_weight_rowwise"),
                   ("weight_cache_columnwise", "_buffers", "_fp8_weight_columnwise"),
                   ("weight_cache_scale_inv", "_buffers", "_fp8_weight_scale_inv")]
+
+_PLAIN = (type(None), torch.Tensor, nn.Parameter)
+# What a call template repeats of the slow path: a class that overrides any of it (a fused
+# module's prologue, a subclass's own bookkeeping) gets no template.
+_TEMPLATED_PARTS = ("_begin", "_prepare", "_end", "_commit", "_delayed_state", "_compute_dtype",
+                    "_weight_cache_for", "_prologue", "_prologue_needs_grad", "_outputs",
+                    "_keep_template", "_repeatable", "_source")
+_TEMPLATED_CLASSES = weakref.WeakKeyDictionary()
+
+
+def _templated_class(cls) -> bool:
+    """Whether layers of `cls` may use call templates (see `_TEMPLATED_PARTS`)."""
+    templated = _TEMPLATED_CLASSES.get(cls)
+    if templated is None:
+        templated = _TEMPLATED_CLASSES[cls] = all(
+            getattr(cls, part) is getattr(Linear, part) for part in _TEMPLATED_PARTS)
+    return templated
+
 
 _WEIGHT_CACHE_NONE, _WEIGHT_CACHE_FILL, _WEIGHT_CACHE_REUSE = (
     int(_C.WeightCache.NONE), int(_C.WeightCache.FILL), int(_C.WeightCache.REUSE))
