@@ -388,7 +388,14 @@ class Linear(nn.Linear):
         csrc/call_template.cpp) that the calls after it run with less host time while the
         template fits them -- where the call is one a template can repeat: eager, outside
         checkpoints and backward, no torch.autocast, debug rule, new state or weight cache, or
-        main_grad to make; an exact tensor in; a plain Linear's op arguments."""
+        main_grad to make; an exact tensor in; a plain Linear's op arguments.
+
+        (design.md: nothing about a layer is cached under a hand-kept key. A template is no
+        such key: nothing resets it by hand, its tensors are read from the layer at each call,
+        and every input of the choices `_begin` and `_prepare` make is checked, live, at each
+        call. Those checks mirror this slow path: a change here needs its twin in
+        csrc/call_template.cpp, and tests_py/test_call_template.py holds each case to the slow
+        path bit for bit.)"""
         if not self._repeatable(call, x, is_first_microbatch):
             return
         frame, delayed = call.frame, call.state is not None
