@@ -27,24 +27,12 @@
 #include <vector>
 
 #include "eager_op.h"
+#include "py_lookup.h"
 
 namespace py = pybind11;
 
 namespace tpfp8 {
 namespace {
-
-// A borrowed dict entry, or null (also when `dict` is null or not a dict).
-PyObject* entry(PyObject* dict, PyObject* key) {
-  if (dict == nullptr || !PyDict_Check(dict)) return nullptr;
-  PyObject* value = PyDict_GetItemWithError(dict, key);
-  if (value == nullptr && PyErr_Occurred()) throw py::error_already_set();
-  return value;
-}
-
-// The same entry, held (a null object where there is none).
-py::object held(PyObject* dict, PyObject* key) {
-  return py::reinterpret_borrow<py::object>(entry(dict, key));
-}
 
 // Whether `a == b` (identity first, as Python's `==` on containers does).
 bool equal(PyObject* a, PyObject* b) {
@@ -66,13 +54,10 @@ py::object current_frame(const py::object& frames, const py::str& stack_name,
   }
   if (!PyList_Check(stack.ptr()) || PyList_GET_SIZE(stack.ptr()) == 0) return py::object();
   PyObject* top = PyList_GET_ITEM(stack.ptr(), PyList_GET_SIZE(stack.ptr()) - 1);
-  PyObject* recipe = entry(top, recipe_name.ptr());
+  PyObject* recipe = dict_entry(top, recipe_name.ptr());
   if (recipe == nullptr || recipe == Py_None) return py::object();
   return py::reinterpret_borrow<py::object>(top);
 }
-
-// What one of the op's arguments is at each call.
-enum class Slot { kConstant, kInput, kSource, kInputGrad, kWeightGrad };
 
 // What a call made the slow way took for granted, and the op's arguments it chose.
 struct Expected {
@@ -95,26 +80,27 @@ class CallTemplate {
         op_(op_object_.cast<const EagerOp*>()),
         expected_(std::move(expected)),
         frames_(std::move(frames)),
-        debug_(std::move(debug)) {
+        debug_(std::move(debug)),
+        weight_(index("weight")),
+        scale_(index("scale")),
+        dgrad_(index("need_dgrad")),
+        wgrad_(index("need_wgrad")) {
     const c10::FunctionSchema& schema = op_->schema();
     TORCH_CHECK_VALUE(args.size() == schema.arguments().size(), "CallTemplate: ", schema.name(),
                       " takes ", schema.arguments().size(), " arguments, got ", args.size());
-    slots_.assign(args.size(), Slot::kConstant);
-    slots_[0] = Slot::kInput;
-    slots_[index("need_dgrad")] = Slot::kInputGrad;
-    slots_[index("need_wgrad")] = Slot::kWeightGrad;
+    // The arguments set at every call: the input, the gradient flags, the sources.
+    std::vector<bool> per_call(args.size());
+    per_call[0] = per_call[dgrad_] = per_call[wgrad_] = true;
     for (const auto& [arg, container, name] : sources) {
       const size_t i = index(arg);
-      slots_[i] = Slot::kSource;
+      per_call[i] = true;
       sources_.push_back({i, container, name, args[i].is_none()});
     }
-    weight_ = index("weight");
-    scale_ = index("scale");
-    TORCH_CHECK_VALUE(slots_[weight_] == Slot::kSource, "CallTemplate: the weight needs a source");
-    TORCH_CHECK_VALUE(!expected_.delayed || slots_[scale_] == Slot::kSource,
+    TORCH_CHECK_VALUE(per_call[weight_], "CallTemplate: the weight needs a source");
+    TORCH_CHECK_VALUE(!expected_.delayed || per_call[scale_],
                       "CallTemplate: delayed scaling reads the layer's scale");
     for (size_t i = 0; i < args.size(); ++i) {
-      if (slots_[i] != Slot::kConstant) {
+      if (per_call[i]) {
         constants_.emplace_back();
       } else if (!op_->push(args[i], i, constants_)) {
         TORCH_CHECK_TYPE(false, "CallTemplate: argument ", i, " overrides __torch_function__");
@@ -131,10 +117,8 @@ class CallTemplate {
     const c10::DeviceType device = input.device().type();
     if (device != c10::DeviceType::CPU && device != c10::DeviceType::CUDA) return py::none();
     if (at::autocast::is_autocast_enabled(device) || !no_debug_rules()) return py::none();
-    const py::object attrs =
-        py::reinterpret_steal<py::object>(PyObject_GenericGetDict(layer.ptr(), nullptr));
-    if (!attrs) throw py::error_already_set();
-    if (entry(attrs.ptr(), config_name_.ptr()) != expected_.config.ptr()) return py::none();
+    const py::object attrs = instance_dict(layer);
+    if (dict_entry(attrs.ptr(), config_name_.ptr()) != expected_.config.ptr()) return py::none();
     const py::object frame = current_frame(frames_, stack_name_, recipe_name_);
     if (!frame_fits(frame.ptr(), attrs.ptr())) return py::none();
     torch::jit::Stack stack;
@@ -145,7 +129,8 @@ class CallTemplate {
     // What the call gives back and registers in, found before the op runs.
     const py::object bias =
         expected_.return_bias ? source(attrs.ptr(), parameters_name_, bias_name_) : py::none();
-    const py::object ran = expected_.registers ? held(frame.ptr(), ran_name_.ptr()) : py::none();
+    const py::object ran =
+        expected_.registers ? held_entry(frame.ptr(), ran_name_.ptr()) : py::none();
     if (!bias || !ran || (expected_.registers && !PyDict_Check(ran.ptr()))) return py::none();
     const py::tuple out = op_->call(stack);
     if (expected_.registers && PyDict_SetItem(ran.ptr(), layer.ptr(), layer.ptr()) != 0) {
@@ -183,23 +168,22 @@ class CallTemplate {
   // Whether the frame (null: none in FP8) is one the template's arguments were chosen for.
   bool frame_fits(PyObject* frame, PyObject* attrs) const {
     if (expected_.codes.is_none()) return frame == nullptr;
-    if (frame == nullptr || !equal(entry(frame, codes_name_.ptr()), expected_.codes.ptr())) {
+    if (frame == nullptr || !equal(dict_entry(frame, codes_name_.ptr()), expected_.codes.ptr())) {
       return false;
     }
     if (!expected_.delayed) return true;
     // The layer's state made for this recipe (else the slow path makes it), its amax group the
     // one this frame leads to, and an FP8 forward run before.
-    return equal(entry(attrs, key_name_.ptr()), entry(frame, key_name_frame_.ptr())) &&
-           entry(frame, group_name_.ptr()) == expected_.frame_group.ptr() &&
-           entry(attrs, amax_group_name_.ptr()) == expected_.amax_group.ptr() &&
-           entry(attrs, ran_fp8_name_.ptr()) == Py_True;
+    return equal(dict_entry(attrs, key_name_.ptr()), dict_entry(frame, key_name_frame_.ptr())) &&
+           dict_entry(frame, group_name_.ptr()) == expected_.frame_group.ptr() &&
+           dict_entry(attrs, amax_group_name_.ptr()) == expected_.amax_group.ptr() &&
+           dict_entry(attrs, ran_fp8_name_.ptr()) == Py_True;
   }
 
-  // The op's arguments for `x`; false where a source is missing or needs __torch_function__.
   // layer.<container>[name], else the layer's own attribute `name` (held; null if neither).
   static py::object source(PyObject* attrs, const py::str& container, const py::str& name) {
-    py::object value = held(entry(attrs, container.ptr()), name.ptr());
-    return value ? value : held(attrs, name.ptr());
+    py::object value = held_entry(dict_entry(attrs, container.ptr()), name.ptr());
+    return value ? value : held_entry(attrs, name.ptr());
   }
 
   // The op's arguments for `x`; false where a source is missing, is None where the template's
@@ -216,12 +200,8 @@ class CallTemplate {
       }
       stack[s.index] = std::move(read.back());
     }
-    for (size_t i = 0; i < slots_.size(); ++i) {
-      if (slots_[i] == Slot::kInputGrad) stack[i] = input.requires_grad();
-      if (slots_[i] == Slot::kWeightGrad) {
-        stack[i] = stack[weight_].isTensor() && stack[weight_].toTensor().requires_grad();
-      }
-    }
+    stack[dgrad_] = input.requires_grad();
+    stack[wgrad_] = stack[weight_].isTensor() && stack[weight_].toTensor().requires_grad();
     return true;
   }
 
@@ -230,15 +210,14 @@ class CallTemplate {
   Expected expected_;
   py::object frames_;  // tpfp8.autocast's thread-local stack of frames
   py::object debug_;   // tpfp8.debug's state: its `rules`
-  std::vector<Slot> slots_;
   struct Source {
     size_t index;  // of the op's argument
     py::str container, name;
     bool nullable;  // None in the call the template was made from
   };
   std::vector<Source> sources_;
-  torch::jit::Stack constants_;
-  size_t weight_ = 0, scale_ = 0;
+  torch::jit::Stack constants_;            // every argument, those set per call empty
+  size_t weight_, scale_, dgrad_, wgrad_;  // positions of these arguments
   const py::str config_name_{"_config"}, stack_name_{"stack"}, recipe_name_{"recipe"},
       codes_name_{"codes"}, key_name_{"_fp8_recipe_key"}, key_name_frame_{"key"},
       group_name_{"amax_group"}, amax_group_name_{"_fp8_amax_group"}, ran_fp8_name_{"_fp8_ran_fp8"},

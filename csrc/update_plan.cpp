@@ -13,19 +13,12 @@
 #include <vector>
 
 #include "linear.h"
+#include "py_lookup.h"
 
 namespace py = pybind11;
 
 namespace tpfp8 {
 namespace {
-
-// A borrowed dict entry, or null (also when `dict` is null).
-PyObject* entry(PyObject* dict, PyObject* key) {
-  if (dict == nullptr) return nullptr;
-  PyObject* value = PyDict_GetItemWithError(dict, key);
-  if (value == nullptr && PyErr_Occurred()) throw py::error_already_set();
-  return value;
-}
 
 // fp8_autocast's exit for a set of layers: a DelayedUpdate per group of them (device, recipe,
 // amax group; `groups[k]` the positions of update k's layers), and for every layer what it held
@@ -55,8 +48,8 @@ class UpdatePlan {
       }
     }
     for (const py::handle layer : layers) {
-      const py::object attrs = dict_of(layer);
-      PyObject* buffers = entry(attrs.ptr(), buffers_key_.ptr());
+      const py::object attrs = instance_dict(layer);
+      PyObject* buffers = dict_entry(attrs.ptr(), buffers_key_.ptr());
       TORCH_CHECK_TYPE(buffers != nullptr && PyDict_Check(buffers),
                        "UpdatePlan: a layer without a `_buffers` dict");
       for (const py::str& name : buffer_names_) expected_.push_back(held(buffers, name));
@@ -88,17 +81,17 @@ class UpdatePlan {
     dicts.reserve(layers_);
     auto expected = expected_.begin();
     for (const py::handle layer : layers) {
-      dicts.push_back(dict_of(layer));
+      dicts.push_back(instance_dict(layer));
       PyObject* attrs = dicts.back().ptr();
-      PyObject* buffers = entry(attrs, buffers_key_.ptr());
+      PyObject* buffers = dict_entry(attrs, buffers_key_.ptr());
       if (buffers == nullptr || !PyDict_Check(buffers)) return false;
       for (const py::str& name : buffer_names_) {
-        if (entry(buffers, name.ptr()) != (expected++)->ptr()) return false;
+        if (dict_entry(buffers, name.ptr()) != (expected++)->ptr()) return false;
       }
       for (const py::str& name : attr_names_) {
-        if (entry(attrs, name.ptr()) != (expected++)->ptr()) return false;
+        if (dict_entry(attrs, name.ptr()) != (expected++)->ptr()) return false;
       }
-      PyObject* count = entry(attrs, count_name_.ptr());
+      PyObject* count = dict_entry(attrs, count_name_.ptr());
       if (count == nullptr || !PyLong_CheckExact(count)) return false;
     }
     return true;
@@ -106,7 +99,7 @@ class UpdatePlan {
 
   // Adds one to the layer's count (an int: holds() saw it).
   void count(const py::object& attrs) const {
-    PyObject* count = entry(attrs.ptr(), count_name_.ptr());
+    PyObject* count = dict_entry(attrs.ptr(), count_name_.ptr());
     const py::object next = py::reinterpret_steal<py::object>(PyNumber_Add(count, one_.ptr()));
     if (!next || PyDict_SetItem(attrs.ptr(), count_name_.ptr(), next.ptr()) != 0) {
       throw py::error_already_set();
@@ -115,16 +108,9 @@ class UpdatePlan {
 
   // The entry `name` of `dict`, held; KeyError if missing.
   static py::object held(PyObject* dict, const py::str& name) {
-    PyObject* value = entry(dict, name.ptr());
+    PyObject* value = dict_entry(dict, name.ptr());
     if (value == nullptr) throw py::key_error(std::string(name));
     return py::reinterpret_borrow<py::object>(value);
-  }
-
-  // The layer's __dict__ (a null object if it has none).
-  static py::object dict_of(py::handle layer) {
-    PyObject* attrs = PyObject_GenericGetDict(layer.ptr(), nullptr);
-    if (attrs == nullptr) PyErr_Clear();
-    return py::reinterpret_steal<py::object>(attrs);
   }
 
   std::vector<py::str> buffer_names_, attr_names_;
