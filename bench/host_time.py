@@ -1,9 +1,10 @@
 """Host (CPU) time per call of tpfp8.Linear beside torch.nn.Linear, at a size where the GPU
 work is negligible, so what is timed is what the host spends issuing it -- the cost that
 decides small and mid-size layers. Parts are timed separately: the forward alone, forward +
-backward (a training step: gradients set to None first), fp8_autocast's enter and exit, and
-the forward op called alone. The ratios to nn.Linear are also taken from paired rounds (both
-timed back to back), the measure to compare across runs on a noisy host.
+backward (a training step: gradients set to None first), the step under torch.autocast (bf16,
+fp32 layers: mixed-precision training as Hugging Face's Trainer runs it), fp8_autocast's enter
+and exit, and the forward op called alone. The ratios to nn.Linear are also taken from paired
+rounds (both timed back to back), the measure to compare across runs on a noisy host.
 
   python bench/host_time.py              # on the GPU
   python bench/host_time.py --profile    # plus a torch.profiler table of one FP8 step
@@ -63,27 +64,34 @@ def cases(device, size):
     dy = torch.randn(size, size, device=device, dtype=torch.bfloat16)
     ref = nn.Linear(size, size, bias=False, device=device, dtype=torch.bfloat16)
     ours = tpfp8.Linear(size, size, bias=False, device=device, dtype=torch.bfloat16)
+    ref32 = nn.Linear(size, size, device=device)  # (fp32, with bias: under torch.autocast)
+    ours32 = tpfp8.Linear(size, size, device=device)
     delayed, current = tpfp8.DelayedScaling(), tpfp8.CurrentScaling()
 
     def clear_grads():
         # As a training step (and bench/linear.py) does: backward stores the gradients
         # instead of adding them to last step's.
-        x.grad = ref.weight.grad = ours.weight.grad = None
+        x.grad = None
+        for mod in (ref, ours, ref32, ours32):
+            for p in mod.parameters():
+                p.grad = None
 
-    def fp8(recipe, backward):
+    def fp8(recipe, backward, mod=ours, autocast=False):
         def run():
             if backward:
                 clear_grads()
-            with tpfp8.fp8_autocast(recipe=recipe):
-                y = ours(x)
+            with mixed_precision(device, autocast), tpfp8.fp8_autocast(recipe=recipe):
+                y = mod(x)
             if backward:
                 y.backward(dy)
         return run
 
-    def step(mod):
+    def step(mod, autocast=False):
         def run():
             clear_grads()
-            mod(x).backward(dy)
+            with mixed_precision(device, autocast):
+                y = mod(x)
+            y.backward(dy)
         return run
 
     def empty_autocast():
@@ -109,7 +117,18 @@ def cases(device, size):
         "tpfp8 delayed fwd+bwd": fp8(delayed, True),
         "tpfp8 current fwd": fp8(current, False),
         "tpfp8 current fwd+bwd": fp8(current, True),
+        AUTOCAST_BASE: step(ref32, autocast=True),
+        AUTOCAST_CASE: fp8(delayed, True, ours32, autocast=True),
     }
+
+
+AUTOCAST_BASE = "nn.Linear fwd+bwd, torch.autocast"
+AUTOCAST_CASE = "tpfp8 delayed fwd+bwd, torch.autocast"
+
+
+def mixed_precision(device, on):
+    """torch.autocast in bf16 for the device where `on`, else nothing."""
+    return torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=on)
 
 
 def primitives(device, size):
@@ -154,20 +173,24 @@ def main(argv=None):
     results = {}
     for name, fn in cases(args.device, args.size).items():
         results[name] = per_call_us(fn, args.device)
-        print(f"{name:32s} {results[name]:8.1f} us", flush=True)
+        print(f"{name:40s} {results[name]:8.1f} us", flush=True)
     print("-- pieces", flush=True)
     for name, fn in primitives(args.device, args.size).items():
         results[name] = per_call_us(fn, args.device)
-        print(f"{name:32s} {results[name]:8.1f} us", flush=True)
+        print(f"{name:40s} {results[name]:8.1f} us", flush=True)
     per_module = results[_MANY_UPDATE] / _MANY
     print(f"delayed-scaling update: {per_module:.2f} us a module ({_MANY} modules at once)")
     base = results["nn.Linear fwd+bwd"]
     for name in ("tpfp8 delayed fwd+bwd", "tpfp8 current fwd+bwd"):
         print(f"{name} / nn.Linear fwd+bwd: {results[name] / base:.2f}x host time")
+    print(f"{AUTOCAST_CASE} / {AUTOCAST_BASE}: "
+          f"{results[AUTOCAST_CASE] / results[AUTOCAST_BASE]:.2f}x host time")
     steps = cases(args.device, args.size)
-    for name in ("tpfp8 delayed fwd+bwd", "tpfp8 current fwd+bwd"):
-        median, low, high = paired_ratio(steps["nn.Linear fwd+bwd"], steps[name], args.device)
-        print(f"{name} / nn.Linear fwd+bwd, paired rounds: {median:.2f}x host time "
+    for base, name in (("nn.Linear fwd+bwd", "tpfp8 delayed fwd+bwd"),
+                       ("nn.Linear fwd+bwd", "tpfp8 current fwd+bwd"),
+                       (AUTOCAST_BASE, AUTOCAST_CASE)):
+        median, low, high = paired_ratio(steps[base], steps[name], args.device)
+        print(f"{name} / {base}, paired rounds: {median:.2f}x host time "
               f"(median; {low:.2f}-{high:.2f})", flush=True)
     if args.profile:
         run = cases(args.device, args.size)["tpfp8 delayed fwd+bwd"]

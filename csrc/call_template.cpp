@@ -11,13 +11,16 @@
 //
 // run() calls the op only where everything the slow path based those arguments on still holds,
 // and registers the layer for the frame's delayed-scaling update as the slow path does; anywhere
-// else it returns None and the module takes the slow path (which makes a new template).
+// else it returns None and the module takes the slow path (which makes a new template). Under
+// torch.autocast (a template made under the same autocast dtype) it converts the input and bias,
+// and outside FP8 the weight, as the slow path does before its op.
 #include "call_template.h"
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/SavedTensorHooks.h>
 #include <ATen/autocast_mode.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
@@ -69,6 +72,7 @@ struct Expected {
   py::object frame_group;          // the frame's amax_group (delayed)
   py::object amax_group;           // the layer's `_fp8_amax_group` it led to (delayed)
   bool return_bias;                // returns (y, bias), the op adding none
+  std::optional<c10::ScalarType> autocast_dtype;  // torch.autocast's for the input's device
 };
 
 class CallTemplate {
@@ -82,6 +86,7 @@ class CallTemplate {
         frames_(std::move(frames)),
         debug_(std::move(debug)),
         weight_(index("weight")),
+        bias_(index("bias")),
         scale_(index("scale")),
         dgrad_(index("need_dgrad")),
         wgrad_(index("need_wgrad")) {
@@ -116,7 +121,7 @@ class CallTemplate {
     const at::Tensor& input = THPVariable_Unpack(x.ptr());
     const c10::DeviceType device = input.device().type();
     if (device != c10::DeviceType::CPU && device != c10::DeviceType::CUDA) return py::none();
-    if (at::autocast::is_autocast_enabled(device) || !no_debug_rules()) return py::none();
+    if (!autocast_fits(input) || !no_debug_rules()) return py::none();
     const py::object attrs = instance_dict(layer);
     if (dict_entry(attrs.ptr(), config_name_.ptr()) != expected_.config.ptr()) return py::none();
     const py::object frame = current_frame(frames_, stack_name_, recipe_name_);
@@ -132,12 +137,17 @@ class CallTemplate {
     const py::object ran =
         expected_.registers ? held_entry(frame.ptr(), ran_name_.ptr()) : py::none();
     if (!bias || !ran || (expected_.registers && !PyDict_Check(ran.ptr()))) return py::none();
+    if (expected_.autocast_dtype) to_autocast_dtype(stack);
     const py::tuple out = op_->call(stack);
     if (expected_.registers && PyDict_SetItem(ran.ptr(), layer.ptr(), layer.ptr()) != 0) {
       throw py::error_already_set();
     }
     if (!expected_.return_bias) return out[0];
-    return py::make_tuple(out[0], bias);
+    if (!expected_.autocast_dtype || !THPVariable_Check(bias.ptr())) {
+      return py::make_tuple(out[0], bias);
+    }
+    const at::Tensor returned = THPVariable_Unpack(bias.ptr()).to(*expected_.autocast_dtype);
+    return py::make_tuple(out[0], py::reinterpret_steal<py::object>(THPVariable_Wrap(returned)));
   }
 
  private:
@@ -154,6 +164,28 @@ class CallTemplate {
     return !at::impl::torch_function_mode_enabled() && c10::GradMode::is_enabled() &&
            !at::SavedTensorDefaultHooks::get_hooks().has_value() &&
            torch::autograd::get_current_graph_task_id() == -1;
+  }
+
+  // Whether torch.autocast for the input's device is as it was for the template's call: off, or
+  // on with the same dtype and a floating-point input (the slow path converts that).
+  bool autocast_fits(const at::Tensor& input) const {
+    const c10::DeviceType device = input.device().type();
+    if (!at::autocast::is_autocast_enabled(device)) return !expected_.autocast_dtype;
+    return expected_.autocast_dtype == at::autocast::get_autocast_dtype(device) &&
+           input.is_floating_point();
+  }
+
+  // Linear._compute_dtype: the input and bias in autocast's dtype, the weight too outside FP8
+  // (an FP8 cast reads the master weight itself). Tensor.to returns the tensor itself where its
+  // dtype is that already, as Python's does.
+  void to_autocast_dtype(torch::jit::Stack& stack) const {
+    const c10::ScalarType dtype = *expected_.autocast_dtype;
+    const auto convert = [&](size_t i) {
+      if (stack[i].isTensor()) stack[i] = stack[i].toTensor().to(dtype);
+    };
+    convert(0);
+    convert(bias_);
+    if (expected_.codes.is_none()) convert(weight_);
   }
 
   bool no_debug_rules() const {
@@ -216,13 +248,21 @@ class CallTemplate {
     bool nullable;  // None in the call the template was made from
   };
   std::vector<Source> sources_;
-  torch::jit::Stack constants_;            // every argument, those set per call empty
-  size_t weight_, scale_, dgrad_, wgrad_;  // positions of these arguments
+  torch::jit::Stack constants_;                   // every argument, those set per call empty
+  size_t weight_, bias_, scale_, dgrad_, wgrad_;  // positions of these arguments
   const py::str config_name_{"_config"}, stack_name_{"stack"}, recipe_name_{"recipe"},
       codes_name_{"codes"}, key_name_{"_fp8_recipe_key"}, key_name_frame_{"key"},
       group_name_{"amax_group"}, amax_group_name_{"_fp8_amax_group"}, ran_fp8_name_{"_fp8_ran_fp8"},
       ran_name_{"ran"}, parameters_name_{"_parameters"}, bias_name_{"bias"}, rules_name_{"rules"};
 };
+
+// A torch.dtype argument (None: no dtype).
+std::optional<c10::ScalarType> scalar_type(const py::object& dtype) {
+  if (dtype.is_none()) return std::nullopt;
+  TORCH_CHECK_TYPE(THPDtype_Check(dtype.ptr()), "CallTemplate: autocast_dtype must be a ",
+                   "torch.dtype or None, got ", Py_TYPE(dtype.ptr())->tp_name);
+  return reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
+}
 
 }  // namespace
 
@@ -234,7 +274,8 @@ void bind_call_template(py::module_& m) {
                        const std::vector<std::tuple<std::string, py::str, py::str>>& sources,
                        py::object is_first_microbatch, py::object config, py::object codes,
                        bool delayed, bool registers, py::object frame_group, py::object amax_group,
-                       bool return_bias, py::object frames, py::object debug) {
+                       bool return_bias, py::object frames, py::object debug,
+                       py::object autocast_dtype) {
              Expected expected{std::move(is_first_microbatch),
                                std::move(config),
                                std::move(codes),
@@ -242,20 +283,22 @@ void bind_call_template(py::module_& m) {
                                registers,
                                std::move(frame_group),
                                std::move(amax_group),
-                               return_bias};
+                               return_bias,
+                               scalar_type(autocast_dtype)};
              return CallTemplate(std::move(op), args, sources, std::move(expected),
                                  std::move(frames), std::move(debug));
            }),
            py::arg("op"), py::arg("args"), py::arg("sources"), py::arg("is_first_microbatch"),
            py::arg("config"), py::arg("codes"), py::arg("delayed"), py::arg("registers"),
            py::arg("frame_group"), py::arg("amax_group"), py::arg("return_bias"), py::arg("frames"),
-           py::arg("debug"),
+           py::arg("debug"), py::arg("autocast_dtype") = py::none(),
            "`op` (an EagerOp) and all its arguments `args` as a call made the slow way passed "
            "them; `sources`: (argument, container, entry) for each tensor read from the layer "
            "at every call (layer.<container>[entry]); the rest: what that call took for granted "
            "(the frame's recipe codes, None outside FP8; under delayed scaling the frame's and "
            "the layer's amax groups); `frames`: tpfp8.autocast's thread-local frames; `debug`: "
-           "an object whose `rules` are falsy while no debug rule is set")
+           "an object whose `rules` are falsy while no debug rule is set; `autocast_dtype`: "
+           "torch.autocast's dtype for the input's device in that call, None where it was off")
       .def("run", &CallTemplate::run, py::arg("layer"), py::arg("x"),
            py::arg("is_first_microbatch"),
            "The layer's output for `x` (y, or (y, bias) with return_bias), or None where the "

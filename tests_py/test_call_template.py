@@ -283,6 +283,56 @@ def test_checkpointed_and_autocast_calls(device):
     _same(layer, twin, x)
 
 
+def _autocast(device, dtype=torch.bfloat16):
+    return torch.autocast(device, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtypes", ["fp32 layer, fp32 input", "fp32 layer, bf16 input",
+                                    "bf16 layer, fp32 input"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("recipe", ["delayed", "current", "high precision"])
+def test_templated_steps_under_torch_autocast_equal_the_slow_path(device, recipe, bias, dtypes):
+    """torch.autocast's conversions (input and bias; the weight too in high precision), as
+    the slow path makes them, and the same gradients back through them."""
+    layer_dtype, input_dtype = (getattr(torch, "float32" if d.startswith("fp32") else "bfloat16")
+                                for d in dtypes.split(", "))
+    torch.manual_seed(0)
+    layer = tpfp8.Linear(64, 32, bias=bias, device=device, dtype=layer_dtype)
+    twin = copy.deepcopy(layer)
+    x = _input(device).detach().to(input_dtype).requires_grad_()
+    kwargs = {"recipe": RECIPES.get(recipe), "fp8": recipe in RECIPES,
+              "context": _autocast(device)}
+    for _ in range(4):
+        _same(layer, twin, x, **kwargs)
+
+
+def test_the_template_takes_autocast_calls_and_returns_the_converted_bias(device):
+    torch.manual_seed(0)
+    layer = tpfp8.Linear(64, 32, device=device, return_bias=True)  # (fp32)
+    twin = copy.deepcopy(layer)
+    x = _input(device).detach().float().requires_grad_()
+    _same(layer, twin, x, context=_autocast(device))
+    with mock.patch.object(tpfp8.Linear, "_begin", side_effect=AssertionError("slow path")):
+        for _ in range(2):
+            _step(layer, x, context=_autocast(device))
+            with tpfp8.fp8_autocast(), _autocast(device):
+                y, bias = layer(x)
+    assert y.dtype == bias.dtype == torch.bfloat16
+    assert torch.equal(bias, layer.bias.to(torch.bfloat16)) and bias.requires_grad
+
+
+def test_autocast_switched_between_calls(device):
+    """On, off, another dtype, on again: each call computes as the slow path does."""
+    torch.manual_seed(0)
+    layer = tpfp8.Linear(64, 32, device=device)
+    twin = copy.deepcopy(layer)
+    x = _input(device).detach().float().requires_grad_()
+    for dtype in (torch.bfloat16, None, torch.float16, torch.bfloat16, None):
+        context = _nothing() if dtype is None else _autocast(device, dtype)
+        for _ in range(2):
+            _same(layer, twin, x, context=context)
+
+
 def test_debug_rules_set_between_calls_apply(device, tmp_path):
     layer, twin = _pair(device, name="fc1")
     x = _input(device)

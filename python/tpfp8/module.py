@@ -387,8 +387,9 @@ class Linear(nn.Linear):
         """After a call made the slow way: a template of it (`_C.CallTemplate`, see
         csrc/call_template.cpp) that the calls after it run with less host time while the
         template fits them -- where the call is one a template can repeat: eager, outside
-        checkpoints and backward, no torch.autocast, debug rule, new state or weight cache, or
-        main_grad to make; an exact tensor in; a plain Linear's op arguments.
+        checkpoints and backward, no debug rule, new state or weight cache, or main_grad to
+        make; an exact tensor in (floating point under torch.autocast, whose dtype the template
+        keeps and converts to as `_compute_dtype` does); a plain Linear's op arguments.
 
         (design.md: nothing about a layer is cached under a hand-kept key. A template is no
         such key: nothing resets it by hand, its tensors are read from the layer at each call,
@@ -416,7 +417,7 @@ class Linear(nn.Linear):
             registers=delayed and call.cache_mode != _WEIGHT_CACHE_REUSE,
             frame_group=frame["amax_group"] if delayed else None, amax_group=call.amax_group,
             return_bias=self._config.return_bias, frames=_autocast.thread_state(),
-            debug=_debug.state())
+            debug=_debug.state(), autocast_dtype=_autocast_dtype(x.device.type))
 
     def _source(self, container: str, name: str):
         """What a call template reads for a tensor: layer.<container>[name], else the layer's
@@ -426,10 +427,11 @@ class Linear(nn.Linear):
 
     def _repeatable(self, call: "_Call", x, is_first_microbatch) -> bool:
         """Whether a template can repeat this call (see `_keep_template`)."""
+        converted = _autocast_dtype(x.device.type) is not None  # (by _compute_dtype)
         return (
             not call.compiling and call.checkpoints is None and type(x) is torch.Tensor
-            and call.x is x and x.device.type in ("cpu", "cuda")
-            and not torch.is_autocast_enabled(x.device.type)
+            and (x.is_floating_point() if converted else call.x is x)
+            and x.device.type in ("cpu", "cuda")
             and not torch._C._is_torch_function_mode_enabled()
             and (is_first_microbatch is None or is_first_microbatch is False)
             and not (call.new_state or call.new_cache)
@@ -635,7 +637,8 @@ class Linear(nn.Linear):
     @staticmethod
     def _compute_dtype(x, weight, bias, in_fp8: bool):
         """(x, weight, bias) in the dtype the GEMMs run in: torch.autocast's if enabled (the
-        FP8 path casts the fp32 master weight itself), else the input's."""
+        FP8 path casts the fp32 master weight itself), else the input's. (A call template
+        converts as this does: its twin is `to_autocast_dtype` in csrc/call_template.cpp.)"""
         if x.is_floating_point() and not x.is_meta and torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
             x = x.to(dtype)
@@ -648,6 +651,13 @@ _NO_PROLOGUE = (None, None, int(_C.Prologue.NONE), 0.0, False)
 _NO_STATE = (None, None, None, None)
 # Whether torch.autocast is on for any device: one call, before the per-device question.
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
+def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """torch.autocast's dtype for the device type, None where it is off."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
 
 # Where a layer keeps its call template (in its __dict__), and the tensors a template reads
 # from the layer at every call: (the op's argument, the layer's container, the entry).
