@@ -427,11 +427,12 @@ class Linear(nn.Linear):
 
     def _repeatable(self, call: "_Call", x, is_first_microbatch) -> bool:
         """Whether a template can repeat this call (see `_keep_template`)."""
+        if x.device.type not in ("cpu", "cuda"):
+            return False
         converted = _autocast_dtype(x.device.type) is not None  # (by _compute_dtype)
         return (
             not call.compiling and call.checkpoints is None and type(x) is torch.Tensor
             and (x.is_floating_point() if converted else call.x is x)
-            and x.device.type in ("cpu", "cuda")
             and not torch._C._is_torch_function_mode_enabled()
             and (is_first_microbatch is None or is_first_microbatch is False)
             and not (call.new_state or call.new_cache)
