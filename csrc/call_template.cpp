@@ -184,8 +184,8 @@ class CallTemplate {
       if (stack[i].isTensor()) stack[i] = stack[i].toTensor().to(dtype);
     };
     convert(0);
-    convert(bias_);
     if (expected_.codes.is_none()) convert(weight_);
+    convert(bias_);
   }
 
   bool no_debug_rules() const {

@@ -660,6 +660,7 @@ def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
         return None
     return torch.get_autocast_dtype(device_type)
 
+
 # Where a layer keeps its call template (in its __dict__), and the tensors a template reads
 # from the layer at every call: (the op's argument, the layer's container, the entry).
 _TEMPLATE = "_fp8_call_template"
