@@ -137,17 +137,14 @@ class CallTemplate {
     const py::object ran =
         expected_.registers ? held_entry(frame.ptr(), ran_name_.ptr()) : py::none();
     if (!bias || !ran || (expected_.registers && !PyDict_Check(ran.ptr()))) return py::none();
-    if (expected_.autocast_dtype) to_autocast_dtype(stack);
+    py::object returned_bias = bias;
+    if (expected_.autocast_dtype && !to_autocast_dtype(stack, returned_bias)) return py::none();
     const py::tuple out = op_->call(stack);
     if (expected_.registers && PyDict_SetItem(ran.ptr(), layer.ptr(), layer.ptr()) != 0) {
       throw py::error_already_set();
     }
     if (!expected_.return_bias) return out[0];
-    if (!expected_.autocast_dtype || !THPVariable_Check(bias.ptr())) {
-      return py::make_tuple(out[0], bias);
-    }
-    const at::Tensor returned = THPVariable_Unpack(bias.ptr()).to(*expected_.autocast_dtype);
-    return py::make_tuple(out[0], py::reinterpret_steal<py::object>(THPVariable_Wrap(returned)));
+    return py::make_tuple(out[0], returned_bias);
   }
 
  private:
@@ -176,16 +173,29 @@ class CallTemplate {
   }
 
   // Linear._compute_dtype: the input and bias in autocast's dtype, the weight too outside FP8
-  // (an FP8 cast reads the master weight itself). Tensor.to returns the tensor itself where its
-  // dtype is that already, as Python's does.
-  void to_autocast_dtype(torch::jit::Stack& stack) const {
+  // (an FP8 cast reads the master weight itself), in its order, before the op: the autograd
+  // graph's order (hooks, DDP's buckets) is the slow path's. With return_bias the bias given back
+  // is the one converted; false where only its __torch_function__ may convert it. Tensor.to
+  // returns the tensor itself where its dtype is that already, as Python's does.
+  bool to_autocast_dtype(torch::jit::Stack& stack, py::object& returned_bias) const {
     const c10::ScalarType dtype = *expected_.autocast_dtype;
     const auto convert = [&](size_t i) {
       if (stack[i].isTensor()) stack[i] = stack[i].toTensor().to(dtype);
     };
     convert(0);
     if (expected_.codes.is_none()) convert(weight_);
-    convert(bias_);
+    if (!expected_.return_bias) {
+      convert(bias_);
+      return true;
+    }
+    if (returned_bias.is_none()) return true;
+    torch::jit::Stack pushed;
+    if (!THPVariable_Check(returned_bias.ptr()) || !op_->push(returned_bias, bias_, pushed)) {
+      return false;
+    }
+    returned_bias =
+        py::reinterpret_steal<py::object>(THPVariable_Wrap(pushed.back().toTensor().to(dtype)));
+    return true;
   }
 
   bool no_debug_rules() const {

@@ -333,6 +333,71 @@ def test_autocast_switched_between_calls(device):
             _same(layer, twin, x, context=context)
 
 
+def _gradient_order(layer, x, return_bias, context):
+    """The order in which a step's gradients reach x and the layer's parameters."""
+    order = []
+    x = x.detach().requires_grad_()
+    leaves = {"x": x, **dict(layer.named_parameters())}
+    handles = [t.register_post_accumulate_grad_hook(lambda _, n=n: order.append(n))
+               for n, t in leaves.items()]
+    with tpfp8.fp8_autocast(recipe=tpfp8.CurrentScaling()), context:
+        out = layer(x)
+    y, bias = out if return_bias else (out, None)
+    loss = y.float().square().sum() + (bias.float().sum() if return_bias else 0)
+    loss.backward()
+    for h in handles:
+        h.remove()
+    for p in layer.parameters():
+        p.grad = None
+    return order
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("return_bias", [False, True])
+def test_gradients_arrive_in_the_slow_paths_order(device, return_bias, autocast):
+    """A templated call builds the slow path's autograd graph, in its order: gradient hooks
+    (and DDP's buckets) see the gradients in the same order."""
+    torch.manual_seed(0)
+    layer = tpfp8.Linear(64, 32, device=device, return_bias=return_bias)  # (fp32)
+    twin = copy.deepcopy(layer)
+    x = _input(device).detach().float()
+    for _ in range(3):
+        context = _autocast(device) if autocast else _nothing()
+        mine = _gradient_order(layer, x, return_bias, context)
+        with SlowPath():
+            theirs = _gradient_order(twin, x, return_bias, context)
+        assert mine == theirs
+
+
+class _Marked(torch.Tensor):
+    pass
+
+
+class _MarkedParameter(nn.Parameter):
+    """A parameter whose conversions (Tensor.to) come back as _Marked tensors."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        return out.as_subclass(_Marked) if func is torch.Tensor.to else out
+
+
+def test_a_returned_bias_is_converted_by_its_own_torch_function(device):
+    torch.manual_seed(0)
+    layer = tpfp8.Linear(64, 32, device=device, return_bias=True)  # (fp32)
+    twin = copy.deepcopy(layer)
+    x = _input(device).detach().float().requires_grad_()
+    _same(layer, twin, x, context=_autocast(device))
+    _on_both(layer, twin, lambda m: setattr(m, "bias", _MarkedParameter(m.bias.detach())))
+    for _ in range(2):
+        with tpfp8.fp8_autocast(), _autocast(device):
+            mine = layer(x)[1]
+            with SlowPath():
+                theirs = twin(x)[1]
+        assert type(mine) is type(theirs) is _Marked and torch.equal(mine, theirs)
+
+
 def test_debug_rules_set_between_calls_apply(device, tmp_path):
     layer, twin = _pair(device, name="fc1")
     x = _input(device)
