@@ -287,6 +287,13 @@ def _autocast(device, dtype=torch.bfloat16):
     return torch.autocast(device, dtype=dtype)
 
 
+def _fp32_pair(device, **kwargs):
+    """An fp32 layer, its twin and an fp32 input: mixed precision, as under torch.autocast."""
+    torch.manual_seed(0)
+    layer = tpfp8.Linear(64, 32, device=device, **kwargs)
+    return layer, copy.deepcopy(layer), _input(device).detach().float().requires_grad_()
+
+
 @pytest.mark.parametrize("dtypes", ["fp32 layer, fp32 input", "fp32 layer, bf16 input",
                                     "bf16 layer, fp32 input"])
 @pytest.mark.parametrize("bias", [True, False])
@@ -307,10 +314,7 @@ def test_templated_steps_under_torch_autocast_equal_the_slow_path(device, recipe
 
 
 def test_the_template_takes_autocast_calls_and_returns_the_converted_bias(device):
-    torch.manual_seed(0)
-    layer = tpfp8.Linear(64, 32, device=device, return_bias=True)  # (fp32)
-    twin = copy.deepcopy(layer)
-    x = _input(device).detach().float().requires_grad_()
+    layer, twin, x = _fp32_pair(device, return_bias=True)
     _same(layer, twin, x, context=_autocast(device))
     with mock.patch.object(tpfp8.Linear, "_begin", side_effect=AssertionError("slow path")):
         for _ in range(2):
@@ -323,10 +327,7 @@ def test_the_template_takes_autocast_calls_and_returns_the_converted_bias(device
 
 def test_autocast_switched_between_calls(device):
     """On, off, another dtype, on again: each call computes as the slow path does."""
-    torch.manual_seed(0)
-    layer = tpfp8.Linear(64, 32, device=device)
-    twin = copy.deepcopy(layer)
-    x = _input(device).detach().float().requires_grad_()
+    layer, twin, x = _fp32_pair(device)
     for dtype in (torch.bfloat16, None, torch.float16, torch.bfloat16, None):
         context = _nothing() if dtype is None else _autocast(device, dtype)
         for _ in range(2):
@@ -357,10 +358,7 @@ def _gradient_order(layer, x, return_bias, context):
 def test_gradients_arrive_in_the_slow_paths_order(device, return_bias, autocast):
     """A templated call builds the slow path's autograd graph, in its order: gradient hooks
     (and DDP's buckets) see the gradients in the same order."""
-    torch.manual_seed(0)
-    layer = tpfp8.Linear(64, 32, device=device, return_bias=return_bias)  # (fp32)
-    twin = copy.deepcopy(layer)
-    x = _input(device).detach().float()
+    layer, twin, x = _fp32_pair(device, return_bias=return_bias)
     for _ in range(3):
         context = _autocast(device) if autocast else _nothing()
         mine = _gradient_order(layer, x, return_bias, context)
@@ -384,10 +382,7 @@ class _MarkedParameter(nn.Parameter):
 
 
 def test_a_returned_bias_is_converted_by_its_own_torch_function(device):
-    torch.manual_seed(0)
-    layer = tpfp8.Linear(64, 32, device=device, return_bias=True)  # (fp32)
-    twin = copy.deepcopy(layer)
-    x = _input(device).detach().float().requires_grad_()
+    layer, twin, x = _fp32_pair(device, return_bias=True)
     _same(layer, twin, x, context=_autocast(device))
     _on_both(layer, twin, lambda m: setattr(m, "bias", _MarkedParameter(m.bias.detach())))
     for _ in range(2):
