@@ -184,11 +184,8 @@ class CallTemplate {
     };
     convert(0);
     if (expected_.codes.is_none()) convert(weight_);
-    if (!expected_.return_bias) {
-      convert(bias_);
-      return true;
-    }
-    if (returned_bias.is_none()) return true;
+    convert(bias_);  // (None with return_bias: the bias given back is converted instead)
+    if (!expected_.return_bias || returned_bias.is_none()) return true;
     torch::jit::Stack pushed;
     if (!THPVariable_Check(returned_bias.ptr()) || !op_->push(returned_bias, bias_, pushed)) {
       return false;

@@ -108,9 +108,9 @@ class UpdatePlan {
 
   // The entry `name` of `dict`, held; KeyError if missing.
   static py::object held(PyObject* dict, const py::str& name) {
-    PyObject* value = dict_entry(dict, name.ptr());
-    if (value == nullptr) throw py::key_error(std::string(name));
-    return py::reinterpret_borrow<py::object>(value);
+    py::object value = held_entry(dict, name.ptr());
+    if (!value) throw py::key_error(std::string(name));
+    return value;
   }
 
   std::vector<py::str> buffer_names_, attr_names_;

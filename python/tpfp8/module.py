@@ -429,7 +429,7 @@ class Linear(nn.Linear):
         """Whether a template can repeat this call (see `_keep_template`)."""
         if x.device.type not in ("cpu", "cuda"):
             return False
-        converted = _autocast_dtype(x.device.type) is not None  # (by _compute_dtype)
+        converted = torch.is_autocast_enabled(x.device.type)  # (by _compute_dtype)
         return (
             not call.compiling and call.checkpoints is None and type(x) is torch.Tensor
             and (x.is_floating_point() if converted else call.x is x)
