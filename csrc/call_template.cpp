@@ -7,7 +7,8 @@
 // tensor replaced in between is simply the one the call reads, and no tensor is held; and the two
 // gradient flags, from the input and the weight. (A tensor not in its container is looked for in
 // the layer's __dict__, where a bias=False layer keeps its None; where neither has it, or where a
-// tensor that was there is None, the slow path decides.)
+// tensor that was there is None, the slow path decides.) With fuse_wgrad_accumulation the weight's
+// `main_grad` is read at every call too, as the slow path reads it.
 //
 // run() calls the op only where everything the slow path based those arguments on still holds,
 // and registers the layer for the frame's delayed-scaling update as the slow path does; anywhere
@@ -72,6 +73,7 @@ struct Expected {
   py::object frame_group;          // the frame's amax_group (delayed)
   py::object amax_group;           // the layer's `_fp8_amax_group` it led to (delayed)
   bool return_bias;                // returns (y, bias), the op adding none
+  bool main_grad;                  // fuse_wgrad_accumulation: the weight's main_grad, read
   std::optional<c10::ScalarType> autocast_dtype;  // torch.autocast's for the input's device
 };
 
@@ -89,13 +91,15 @@ class CallTemplate {
         bias_(index("bias")),
         scale_(index("scale")),
         dgrad_(index("need_dgrad")),
-        wgrad_(index("need_wgrad")) {
+        wgrad_(index("need_wgrad")),
+        main_grad_(index("main_grad")) {
     const c10::FunctionSchema& schema = op_->schema();
     TORCH_CHECK_VALUE(args.size() == schema.arguments().size(), "CallTemplate: ", schema.name(),
                       " takes ", schema.arguments().size(), " arguments, got ", args.size());
     // The arguments set at every call: the input, the gradient flags, the sources.
     std::vector<bool> per_call(args.size());
     per_call[0] = per_call[dgrad_] = per_call[wgrad_] = true;
+    per_call[main_grad_] = expected_.main_grad;
     for (const auto& [arg, container, name] : sources) {
       const size_t i = index(arg);
       per_call[i] = true;
@@ -231,16 +235,36 @@ class CallTemplate {
     stack = constants_;
     stack[0] = input;
     torch::jit::Stack read;
-    read.reserve(sources_.size());
+    read.reserve(sources_.size() + 1);
+    py::object weight;
     for (const Source& s : sources_) {
-      const py::object value = source(attrs, s.container, s.name);
+      py::object value = source(attrs, s.container, s.name);
       if (!value || (value.is_none() && !s.nullable) || !op_->push(value, s.index, read)) {
         return false;
       }
       stack[s.index] = std::move(read.back());
+      if (s.index == weight_) weight = std::move(value);
     }
     stack[dgrad_] = input.requires_grad();
-    stack[wgrad_] = stack[weight_].isTensor() && stack[weight_].toTensor().requires_grad();
+    const bool wgrad = stack[weight_].isTensor() && stack[weight_].toTensor().requires_grad();
+    stack[wgrad_] = wgrad;
+    return !expected_.main_grad || !wgrad || main_grad(weight, read, stack);
+  }
+
+  // The slow path's getattr(weight, "main_grad", None) for a weight that needs a gradient: the
+  // tensor its backward accumulates into. False where there is none (the slow path makes one),
+  // it is no tensor (the slow path says what it needs) or it needs __torch_function__.
+  bool main_grad(const py::object& weight, torch::jit::Stack& read,
+                 torch::jit::Stack& stack) const {
+    const py::object value =
+        py::reinterpret_steal<py::object>(PyObject_GetAttr(weight.ptr(), main_grad_name_.ptr()));
+    if (!value) {
+      if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw py::error_already_set();
+      PyErr_Clear();
+      return false;
+    }
+    if (!THPVariable_Check(value.ptr()) || !op_->push(value, main_grad_, read)) return false;
+    stack[main_grad_] = std::move(read.back());
     return true;
   }
 
@@ -255,12 +279,13 @@ class CallTemplate {
     bool nullable;  // None in the call the template was made from
   };
   std::vector<Source> sources_;
-  torch::jit::Stack constants_;                   // every argument, those set per call empty
-  size_t weight_, bias_, scale_, dgrad_, wgrad_;  // positions of these arguments
+  torch::jit::Stack constants_;  // every argument, those set per call empty
+  size_t weight_, bias_, scale_, dgrad_, wgrad_, main_grad_;  // positions of these arguments
   const py::str config_name_{"_config"}, stack_name_{"stack"}, recipe_name_{"recipe"},
       codes_name_{"codes"}, key_name_{"_fp8_recipe_key"}, key_name_frame_{"key"},
       group_name_{"amax_group"}, amax_group_name_{"_fp8_amax_group"}, ran_fp8_name_{"_fp8_ran_fp8"},
-      ran_name_{"ran"}, parameters_name_{"_parameters"}, bias_name_{"bias"}, rules_name_{"rules"};
+      ran_name_{"ran"}, parameters_name_{"_parameters"}, bias_name_{"bias"}, rules_name_{"rules"},
+      main_grad_name_{"main_grad"};
 };
 
 // A torch.dtype argument (None: no dtype).
@@ -282,7 +307,7 @@ void bind_call_template(py::module_& m) {
                        py::object is_first_microbatch, py::object config, py::object codes,
                        bool delayed, bool registers, py::object frame_group, py::object amax_group,
                        bool return_bias, py::object frames, py::object debug,
-                       py::object autocast_dtype) {
+                       py::object autocast_dtype, bool main_grad) {
              Expected expected{std::move(is_first_microbatch),
                                std::move(config),
                                std::move(codes),
@@ -291,6 +316,7 @@ void bind_call_template(py::module_& m) {
                                std::move(frame_group),
                                std::move(amax_group),
                                return_bias,
+                               main_grad,
                                scalar_type(autocast_dtype)};
              return CallTemplate(std::move(op), args, sources, std::move(expected),
                                  std::move(frames), std::move(debug));
@@ -298,14 +324,16 @@ void bind_call_template(py::module_& m) {
            py::arg("op"), py::arg("args"), py::arg("sources"), py::arg("is_first_microbatch"),
            py::arg("config"), py::arg("codes"), py::arg("delayed"), py::arg("registers"),
            py::arg("frame_group"), py::arg("amax_group"), py::arg("return_bias"), py::arg("frames"),
-           py::arg("debug"), py::arg("autocast_dtype") = py::none(),
+           py::arg("debug"), py::arg("autocast_dtype") = py::none(), py::arg("main_grad") = false,
            "`op` (an EagerOp) and all its arguments `args` as a call made the slow way passed "
            "them; `sources`: (argument, container, entry) for each tensor read from the layer "
            "at every call (layer.<container>[entry]); the rest: what that call took for granted "
            "(the frame's recipe codes, None outside FP8; under delayed scaling the frame's and "
            "the layer's amax groups); `frames`: tpfp8.autocast's thread-local frames; `debug`: "
            "an object whose `rules` are falsy while no debug rule is set; `autocast_dtype`: "
-           "torch.autocast's dtype for the input's device in that call, None where it was off")
+           "torch.autocast's dtype for the input's device in that call, None where it was off; "
+           "`main_grad`: the op's main_grad is the weight's `main_grad`, read at every call "
+           "where the weight needs a gradient (fuse_wgrad_accumulation)")
       .def("run", &CallTemplate::run, py::arg("layer"), py::arg("x"),
            py::arg("is_first_microbatch"),
            "The layer's output for `x` (y, or (y, bias) with return_bias), or None where the "

@@ -167,6 +167,56 @@ def test_a_layer_changed_between_calls_computes_as_changed(device, change, recip
         _same(layer, twin, x, recipe=recipe)
 
 
+def _set_main_grad(value):
+    return lambda layer: setattr(layer.weight, "main_grad", value(layer.weight))
+
+
+MAIN_GRAD_CHANGES = {
+    "replaced": _set_main_grad(lambda w: torch.full_like(w, 0.5, dtype=torch.float32)),
+    "removed": lambda layer: delattr(layer.weight, "main_grad"),
+    "set to None": _set_main_grad(lambda w: None),
+    "of the weight's dtype": _set_main_grad(torch.zeros_like),
+    "not a tensor": _set_main_grad(lambda w: 0.0),
+    "weight frozen": lambda layer: layer.weight.requires_grad_(False),
+    "weight replaced": _replace_weight,
+}
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current", "high precision"])
+def test_fused_wgrad_accumulation_steps_equal_the_slow_path(device, recipe):
+    """The weight gradient accumulated into weight.main_grad, step after step."""
+    layer, twin = _pair(device, fuse_wgrad_accumulation=True)
+    x = _input(device)
+    kwargs = {"recipe": RECIPES.get(recipe), "fp8": recipe in RECIPES}
+    for first in (None, None, None, True, False, False, None):
+        _same(layer, twin, x, is_first_microbatch=first, **kwargs)
+
+
+def test_the_template_takes_fused_wgrad_accumulation_calls(device):
+    layer, _ = _pair(device, fuse_wgrad_accumulation=True)
+    x = _input(device)
+    _step(layer, x)  # (makes weight.main_grad: the slow path)
+    _step(layer, x)
+    main_grad = layer.weight.main_grad
+    before = main_grad.clone()
+    with mock.patch.object(tpfp8.Linear, "_begin", side_effect=AssertionError("slow path")):
+        _step(layer, x)
+    assert layer.weight.main_grad is main_grad and not torch.equal(main_grad, before)
+    assert layer.weight.grad is None
+
+
+@pytest.mark.parametrize("change", MAIN_GRAD_CHANGES)
+def test_main_grad_changed_between_calls_is_used_as_changed(device, change):
+    """(A main_grad the op refuses is refused the same way by both; one removed is made anew.)"""
+    layer, twin = _pair(device, fuse_wgrad_accumulation=True)
+    x = _input(device)
+    for _ in range(2):
+        _same(layer, twin, x)
+    _on_both(layer, twin, MAIN_GRAD_CHANGES[change])
+    for _ in range(3):
+        _same(layer, twin, x)
+
+
 class _Doubled(nn.Module):
     def forward(self, t):
         return t * 2

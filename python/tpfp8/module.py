@@ -388,8 +388,9 @@ class Linear(nn.Linear):
         csrc/call_template.cpp) that the calls after it run with less host time while the
         template fits them -- where the call is one a template can repeat: eager, outside
         checkpoints and backward, no debug rule, new state or weight cache, or main_grad to
-        make; an exact tensor in (floating point under torch.autocast, whose dtype the template
-        keeps and converts to as `_compute_dtype` does); a plain Linear's op arguments.
+        make (an existing one is read from the weight at each call); an exact tensor in
+        (floating point under torch.autocast, whose dtype the template keeps and converts to as
+        `_compute_dtype` does); a plain Linear's op arguments.
 
         (design.md: nothing about a layer is cached under a hand-kept key. A template is no
         such key: nothing resets it by hand, its tensors are read from the layer at each call,
@@ -417,7 +418,8 @@ class Linear(nn.Linear):
             registers=delayed and call.cache_mode != _WEIGHT_CACHE_REUSE,
             frame_group=frame["amax_group"] if delayed else None, amax_group=call.amax_group,
             return_bias=self._config.return_bias, frames=_autocast.thread_state(),
-            debug=_debug.state(), autocast_dtype=_autocast_dtype(x.device.type))
+            debug=_debug.state(), autocast_dtype=_autocast_dtype(x.device.type),
+            main_grad=self._config.fuse_wgrad_accumulation)
 
     def _source(self, container: str, name: str):
         """What a call template reads for a tensor: layer.<container>[name], else the layer's
@@ -435,8 +437,8 @@ class Linear(nn.Linear):
             and (x.is_floating_point() if converted else call.x is x)
             and not torch._C._is_torch_function_mode_enabled()
             and (is_first_microbatch is None or is_first_microbatch is False)
-            and not (call.new_state or call.new_cache)
-            and not self._config.fuse_wgrad_accumulation and not _debug.state().rules
+            and not (call.new_state or call.new_cache or call.new_main_grad is not None)
+            and type(call.main_grad) in _PLAIN and not _debug.state().rules
             and call.param is self._parameters.get("weight") and _templated_class(type(self)))
 
     def _begin(self, x, is_first_microbatch, input_needs_grad: Optional[bool] = None) -> "_Call":
@@ -521,6 +523,11 @@ class Linear(nn.Linear):
                 with torch.inference_mode(False):
                     call.main_grad = call.new_main_grad = torch.zeros_like(
                         param, dtype=torch.float32)
+            elif not isinstance(call.main_grad, torch.Tensor):
+                raise TypeError(
+                    "fuse_wgrad_accumulation needs weight.main_grad to be a float32 tensor "
+                    f"shaped like the weight, got {type(call.main_grad).__name__}; e.g. "
+                    "weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)")
         grad = torch.is_grad_enabled()
         call.need_dgrad = grad and (input_needs_grad or self._prologue_needs_grad())
         call.need_wgrad = grad and param.requires_grad
