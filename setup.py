@@ -11,8 +11,11 @@ Environment:
   TPFP8_CUDA_GENCODE  nvcc target flags (default: -gencode=arch=compute_90a,code=sm_90a)
   TPFP8_FORCE_CPU=1   build without CUDA even when it is available
   MAX_JOBS            parallel compile jobs (torch's build_ext, with ninja)
+  TPFP8_ALLOW_STATIC_LIBSTDCXX=1  keep a module that its compiler linked with its own copy of
+                      libstdc++ (refused by default: see _refuse_static_libstdcxx)
 """
 import glob
+import importlib.util
 import os
 import shutil
 import site
@@ -147,6 +150,7 @@ class BuildExtension(cpp_extension.BuildExtension):
 
     def run(self):
         super().run()
+        _refuse_static_libstdcxx(self.get_ext_fullpath("tpfp8._C"))
         import torch
 
         # Written after the build: build_py may have copied a stale one from the source tree.
@@ -156,6 +160,32 @@ class BuildExtension(cpp_extension.BuildExtension):
 TORCH_VERSION = {torch.__version__!r}
 CUDA_VERSION = {torch.version.cuda if WITH_CUDA else None!r}  # None: the CPU-only module
 ''')
+
+
+def _refuse_static_libstdcxx(module):
+    """Stops the build, removing the module, where the compiler linked libstdc++ into it
+    (tpfp8/_build_check.py's static_libstdcxx, loaded by path: the package imports the module
+    being built): beside torch's own libstdc++ such a module can crash the process where it
+    should raise an error."""
+    if os.environ.get("TPFP8_ALLOW_STATIC_LIBSTDCXX") == "1":
+        return
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "python", "tpfp8",
+                        "_build_check.py")
+    spec = importlib.util.spec_from_file_location("_tpfp8_build_check", path)
+    build_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build_check)
+    if not build_check.static_libstdcxx(module):
+        return
+    os.remove(module)
+    import sysconfig
+
+    cxx = os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++"
+    sys.exit(f"tpfp8: the C++ compiler ({cxx}) linked its own copy of libstdc++ into "
+             f"{os.path.basename(module)} (removed). Loaded beside torch's libstdc++, such a "
+             "module has been seen to crash the process (SIGSEGV) where it should raise an error. "
+             "Build with a compiler that links libstdc++ dynamically, e.g. the system's: "
+             "CXX=/usr/bin/g++ CC=/usr/bin/gcc, and no -static-libstdc++ in LDFLAGS "
+             "(TPFP8_ALLOW_STATIC_LIBSTDCXX=1 keeps such a module).")
 
 
 def _local_version():

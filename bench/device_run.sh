@@ -9,8 +9,9 @@
 # to /tmp/site for those steps only.
 # GoogleTest: the GPU machine has no libgtest; copy the sources there first, e.g. from this
 # repository's machine: `cp -r /usr/src/googletest .deps/` (ignored by git; carry `.deps`).
-# On the lent H200 the image's default compiler (/opt/gcc) breaks C++ exceptions thrown from the
-# extension (any TORCH_CHECK segfaults); the system g++ works, so it is pinned here.
+# On the lent H200 the image's default compiler (/opt/gcc) makes a module that crashes formatting
+# any error message with a number (SIGSEGV in ostream code inside _C itself, 36th session); the
+# system g++ works, so it is pinned here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out}

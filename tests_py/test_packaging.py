@@ -1,6 +1,8 @@
 """Packaging: pyproject.toml builds with the installed torch (no isolated build that would need a
-second one), the built module keeps no absolute RUNPATH, `import tpfp8` refuses a torch without
-the CUDA build it was compiled for, and the README's install lines work in a fresh venv."""
+second one), the built module keeps no absolute RUNPATH and links libstdc++ dynamically (setup.py
+refuses one with its own copy), `import tpfp8` refuses a torch without the CUDA build it was
+compiled for, and the README's install lines work in a fresh venv."""
+import glob
 import os
 import re
 import shlex
@@ -63,6 +65,58 @@ def _runpath(lib):
 def test_module_runpath_has_no_absolute_path():
     paths = _runpath(tpfp8._C.__file__)
     assert all(p.startswith("$ORIGIN") for p in paths), (tpfp8._C.__file__, paths)
+
+
+def _gxx_with_static_libstdcxx():
+    """g++, where it can link libstdc++ statically (its libstdc++.a is installed); else None."""
+    gxx = shutil.which("g++")
+    if gxx is None or shutil.which("nm") is None:
+        return None
+    found = subprocess.run([gxx, "-print-file-name=libstdc++.a"], capture_output=True,
+                           text=True).stdout.strip()
+    return gxx if os.path.isabs(found) else None
+
+
+NEEDS_STATIC_LIBSTDCXX = pytest.mark.skipif(
+    _gxx_with_static_libstdcxx() is None, reason="needs nm and g++ with libstdc++.a")
+
+
+@pytest.mark.skipif(shutil.which("nm") is None, reason="nm (binutils) not installed")
+def test_module_links_libstdcxx_dynamically():
+    assert _build_check.static_libstdcxx(tpfp8._C.__file__) is False
+
+
+@NEEDS_STATIC_LIBSTDCXX
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_a_module_with_its_own_libstdcxx_is_recognised(tmp_path, static):
+    src = tmp_path / "format.cpp"
+    src.write_text("#include <sstream>\n#include <string>\n"
+                   "std::string format(long n) { std::ostringstream s; s << n; return s.str(); }\n")
+    lib = tmp_path / "libformat.so"
+    flags = ["-static-libstdc++"] if static else []
+    subprocess.run([_gxx_with_static_libstdcxx(), "-shared", "-fPIC", *flags, str(src), "-o",
+                    str(lib)], check=True, timeout=120)
+    assert _build_check.static_libstdcxx(str(lib)) is static
+
+
+@NEEDS_STATIC_LIBSTDCXX
+def test_setup_py_refuses_a_module_with_its_own_libstdcxx(tmp_path):
+    """The CPU-only module linked with -static-libstdc++: refused and removed, with what to do
+    instead; TPFP8_ALLOW_STATIC_LIBSTDCXX=1 keeps it (the same build folder: a relink)."""
+    env = dict(os.environ, TPFP8_FORCE_CPU="1", LDFLAGS="-static-libstdc++",
+               MAX_JOBS=str(os.cpu_count() or 2))
+    args = [sys.executable, "setup.py", "-q", "build", "-b", str(tmp_path / "lib"), "-t",
+            str(tmp_path / "tmp")]
+    modules = str(tmp_path / "lib" / "*" / "tpfp8" / "_C*.so")
+    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "linked its own copy of libstdc++" in proc.stderr, proc.stderr[-2000:]
+    assert "CXX=/usr/bin/g++ CC=/usr/bin/gcc" in proc.stderr
+    assert not glob.glob(modules)
+    env["TPFP8_ALLOW_STATIC_LIBSTDCXX"] = "1"
+    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [_build_check.static_libstdcxx(m) for m in glob.glob(modules)] == [True]
 
 
 def test_build_info_matches_the_module():

@@ -3,8 +3,13 @@
 tpfp8/__init__.py imports this before _C: loading a CUDA-built _C into a CPU-only torch (or one
 for another CUDA major) fails in the dynamic loader, which only says that libc10_cuda.so or
 libcudart.so.N is missing. setup.py's build_ext records the build in _build_info.py beside _C;
-a build made before it did has none, and is not checked.
+a build made before it did has none, and is not checked. `static_libstdcxx` is setup.py's check
+of the module it has just built.
 """
+import os
+import shutil
+import subprocess
+
 import torch
 
 try:
@@ -29,6 +34,24 @@ def check(built_cuda, built_torch):
         + f". Install a torch built for CUDA {major}.x, or rebuild tpfp8 against this torch: "
         "`pip install --no-build-isolation .` in tpfp8's source (with a CPU-only torch, or "
         "TPFP8_FORCE_CPU=1, that builds the CPU-only module).")
+
+
+# libstdc++'s std::locale::classic(): defined in a module only where libstdc++ is linked into it.
+_LIBSTDCXX_SYMBOL = "_ZNSt6locale7classicEv"
+
+
+def static_libstdcxx(path):
+    """Whether the shared object at ``path`` carries its own copy of libstdc++ (a compiler that
+    links it statically, e.g. with -static-libstdc++); None where binutils' nm is missing.
+
+    Such a module shares the process with torch's libstdc++: two sets of iostream and locale
+    state. Seen on a GPU machine whose default compiler did this: formatting any error message
+    that holds a number (a shape, a size) crashed the process (SIGSEGV) instead of raising."""
+    nm = shutil.which("nm")
+    if nm is None or not os.path.exists(path):
+        return None
+    out = subprocess.run([nm, "-D", "--defined-only", path], capture_output=True, text=True)
+    return out.returncode == 0 and _LIBSTDCXX_SYMBOL in out.stdout
 
 
 if _build_info is not None:
