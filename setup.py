@@ -174,7 +174,11 @@ def _refuse_static_libstdcxx(module):
     spec = importlib.util.spec_from_file_location("_tpfp8_build_check", path)
     build_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build_check)
-    if not build_check.static_libstdcxx(module):
+    static = build_check.static_libstdcxx(module)
+    if static is None:
+        print("tpfp8: could not check how the module links libstdc++ (needs binutils' readelf "
+              "and nm)", file=sys.stderr)
+    if not static:
         return
     os.remove(module)
     import sysconfig

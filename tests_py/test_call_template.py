@@ -197,12 +197,34 @@ def test_the_template_takes_fused_wgrad_accumulation_calls(device):
     x = _input(device)
     _step(layer, x)  # (makes weight.main_grad: the slow path)
     _step(layer, x)
-    main_grad = layer.weight.main_grad
-    before = main_grad.clone()
     with mock.patch.object(tpfp8.Linear, "_begin", side_effect=AssertionError("slow path")):
+        for _ in range(2):  # (the second into a main_grad replaced in between)
+            main_grad = layer.weight.main_grad
+            before = main_grad.clone()
+            _step(layer, x)
+            assert layer.weight.main_grad is main_grad and not torch.equal(main_grad, before)
+            assert layer.weight.grad is None
+            layer.weight.main_grad = torch.zeros_like(main_grad)
+
+
+def test_a_weight_frozen_then_unfrozen_reads_main_grad_again(device):
+    layer, twin = _pair(device, fuse_wgrad_accumulation=True)
+    x = _input(device)
+    for requires_grad in (True, False, True):
+        _on_both(layer, twin, lambda layer: layer.weight.requires_grad_(requires_grad))
+        for _ in range(2):
+            _same(layer, twin, x)
+
+
+def test_the_template_holds_no_main_grad(device):
+    layer, _ = _pair(device, fuse_wgrad_accumulation=True)
+    x = _input(device)
+    for _ in range(3):
         _step(layer, x)
-    assert layer.weight.main_grad is main_grad and not torch.equal(main_grad, before)
-    assert layer.weight.grad is None
+    old = weakref.ref(layer.weight.main_grad)
+    layer.weight.main_grad = torch.zeros_like(layer.weight, dtype=torch.float32)
+    gc.collect()
+    assert old() is None
 
 
 @pytest.mark.parametrize("change", MAIN_GRAD_CHANGES)

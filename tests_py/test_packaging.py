@@ -70,7 +70,7 @@ def test_module_runpath_has_no_absolute_path():
 def _gxx_with_static_libstdcxx():
     """g++, where it can link libstdc++ statically (its libstdc++.a is installed); else None."""
     gxx = shutil.which("g++")
-    if gxx is None or shutil.which("nm") is None:
+    if gxx is None or shutil.which("nm") is None or shutil.which("readelf") is None:
         return None
     found = subprocess.run([gxx, "-print-file-name=libstdc++.a"], capture_output=True,
                            text=True).stdout.strip()
@@ -81,22 +81,37 @@ NEEDS_STATIC_LIBSTDCXX = pytest.mark.skipif(
     _gxx_with_static_libstdcxx() is None, reason="needs nm and g++ with libstdc++.a")
 
 
-@pytest.mark.skipif(shutil.which("nm") is None, reason="nm (binutils) not installed")
+NEEDS_BINUTILS = pytest.mark.skipif(
+    shutil.which("nm") is None or shutil.which("readelf") is None,
+    reason="readelf and nm (binutils) not installed")
+
+
+@NEEDS_BINUTILS
 def test_module_links_libstdcxx_dynamically():
     assert _build_check.static_libstdcxx(tpfp8._C.__file__) is False
 
 
+@NEEDS_BINUTILS
+def test_libstdcxx_check_cannot_tell_for_a_file_that_is_no_module(tmp_path):
+    (tmp_path / "text.so").write_text("not an ELF file")
+    assert _build_check.static_libstdcxx(str(tmp_path / "text.so")) is None
+    assert _build_check.static_libstdcxx(str(tmp_path / "missing.so")) is None
+
+
+LINKS = {"dynamic": [], "static": ["-static-libstdc++"],
+         "static, its symbols hidden": ["-static-libstdc++", "-Wl,--exclude-libs,ALL"]}
+
+
 @NEEDS_STATIC_LIBSTDCXX
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-def test_a_module_with_its_own_libstdcxx_is_recognised(tmp_path, static):
+@pytest.mark.parametrize("link", LINKS)
+def test_a_module_with_its_own_libstdcxx_is_recognised(tmp_path, link):
     src = tmp_path / "format.cpp"
     src.write_text("#include <sstream>\n#include <string>\n"
                    "std::string format(long n) { std::ostringstream s; s << n; return s.str(); }\n")
     lib = tmp_path / "libformat.so"
-    flags = ["-static-libstdc++"] if static else []
-    subprocess.run([_gxx_with_static_libstdcxx(), "-shared", "-fPIC", *flags, str(src), "-o",
-                    str(lib)], check=True, timeout=120)
-    assert _build_check.static_libstdcxx(str(lib)) is static
+    subprocess.run([_gxx_with_static_libstdcxx(), "-shared", "-fPIC", *LINKS[link], str(src),
+                    "-o", str(lib)], check=True, timeout=120)
+    assert _build_check.static_libstdcxx(str(lib)) is (link != "dynamic")
 
 
 @NEEDS_STATIC_LIBSTDCXX

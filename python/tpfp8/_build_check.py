@@ -7,6 +7,7 @@ a build made before it did has none, and is not checked. `static_libstdcxx` is s
 of the module it has just built.
 """
 import os
+import re
 import shutil
 import subprocess
 
@@ -41,17 +42,23 @@ _LIBSTDCXX_SYMBOL = "_ZNSt6locale7classicEv"
 
 
 def static_libstdcxx(path):
-    """Whether the shared object at ``path`` carries its own copy of libstdc++ (a compiler that
-    links it statically, e.g. with -static-libstdc++); None where binutils' nm is missing.
+    """Whether the C++ shared object at ``path`` carries its own copy of libstdc++ (a compiler
+    that links it statically, e.g. with -static-libstdc++): it needs no libstdc++.so
+    (``readelf -d``) or exports libstdc++'s own symbols (``nm -D``). None where binutils cannot
+    tell: readelf or nm missing, or failing (not an ELF file).
 
     Such a module shares the process with torch's libstdc++: two sets of iostream and locale
-    state. Seen on a GPU machine whose default compiler did this: formatting any error message
-    that holds a number (a shape, a size) crashed the process (SIGSEGV) instead of raising."""
-    nm = shutil.which("nm")
-    if nm is None or not os.path.exists(path):
+    state. Seen on a GPU machine whose default compiler made modules that crashed the process
+    (SIGSEGV) formatting any error message that holds a number, instead of raising."""
+    readelf, nm = shutil.which("readelf"), shutil.which("nm")
+    if readelf is None or nm is None or not os.path.isfile(path):
         return None
-    out = subprocess.run([nm, "-D", "--defined-only", path], capture_output=True, text=True)
-    return out.returncode == 0 and _LIBSTDCXX_SYMBOL in out.stdout
+    dynamic, symbols = (subprocess.run(args, capture_output=True, text=True)
+                        for args in ([readelf, "-d", path], [nm, "-D", "--defined-only", path]))
+    if dynamic.returncode != 0 or symbols.returncode != 0:
+        return None
+    shared = re.search(r"\(NEEDED\).*\[libstdc\+\+\.so", dynamic.stdout) is not None
+    return not shared or _LIBSTDCXX_SYMBOL in symbols.stdout
 
 
 if _build_info is not None:
