@@ -2,7 +2,8 @@
 work is negligible, so what is timed is what the host spends issuing it -- the cost that
 decides small and mid-size layers. Parts are timed separately: the forward alone, forward +
 backward (a training step: gradients set to None first), the step under torch.autocast (bf16,
-fp32 layers: mixed-precision training as Hugging Face's Trainer runs it), fp8_autocast's enter
+fp32 layers: mixed-precision training as Hugging Face's Trainer runs it), the step with the
+weight gradient accumulated into weight.main_grad (fuse_wgrad_accumulation), fp8_autocast's enter
 and exit, and the forward op called alone. The ratios to nn.Linear are also taken from paired
 rounds (both timed back to back), the measure to compare across runs on a noisy host.
 
@@ -66,13 +67,16 @@ def cases(device, size):
     ours = tpfp8.Linear(size, size, bias=False, device=device, dtype=torch.bfloat16)
     ref32 = nn.Linear(size, size, device=device)  # (fp32, with bias: under torch.autocast)
     ours32 = tpfp8.Linear(size, size, device=device)
+    fused = tpfp8.Linear(size, size, bias=False, device=device, dtype=torch.bfloat16,
+                         fuse_wgrad_accumulation=True)
+    fused.weight.main_grad = torch.zeros_like(fused.weight, dtype=torch.float32)
     delayed, current = tpfp8.DelayedScaling(), tpfp8.CurrentScaling()
 
     def clear_grads():
         # As a training step (and bench/linear.py) does: backward stores the gradients
         # instead of adding them to last step's.
         x.grad = None
-        for mod in (ref, ours, ref32, ours32):
+        for mod in (ref, ours, ref32, ours32, fused):
             for p in mod.parameters():
                 p.grad = None
 
@@ -119,11 +123,13 @@ def cases(device, size):
         "tpfp8 current fwd+bwd": fp8(current, True),
         AUTOCAST_BASE: step(ref32, autocast=True),
         AUTOCAST_CASE: fp8(delayed, True, ours32, autocast=True),
+        MAIN_GRAD_CASE: fp8(delayed, True, fused),
     }
 
 
 AUTOCAST_BASE = "nn.Linear fwd+bwd, torch.autocast"
 AUTOCAST_CASE = "tpfp8 delayed fwd+bwd, torch.autocast"
+MAIN_GRAD_CASE = "tpfp8 delayed fwd+bwd, main_grad fusion"
 
 
 def mixed_precision(device, on):
@@ -181,13 +187,14 @@ def main(argv=None):
     per_module = results[_MANY_UPDATE] / _MANY
     print(f"delayed-scaling update: {per_module:.2f} us a module ({_MANY} modules at once)")
     base = results["nn.Linear fwd+bwd"]
-    for name in ("tpfp8 delayed fwd+bwd", "tpfp8 current fwd+bwd"):
+    for name in ("tpfp8 delayed fwd+bwd", "tpfp8 current fwd+bwd", MAIN_GRAD_CASE):
         print(f"{name} / nn.Linear fwd+bwd: {results[name] / base:.2f}x host time")
     print(f"{AUTOCAST_CASE} / {AUTOCAST_BASE}: "
           f"{results[AUTOCAST_CASE] / results[AUTOCAST_BASE]:.2f}x host time")
     steps = cases(args.device, args.size)
     for base, name in (("nn.Linear fwd+bwd", "tpfp8 delayed fwd+bwd"),
                        ("nn.Linear fwd+bwd", "tpfp8 current fwd+bwd"),
+                       ("nn.Linear fwd+bwd", MAIN_GRAD_CASE),
                        (AUTOCAST_BASE, AUTOCAST_CASE)):
         median, low, high = paired_ratio(steps[base], steps[name], args.device)
         print(f"{name} / {base}, paired rounds: {median:.2f}x host time "
