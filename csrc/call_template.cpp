@@ -73,7 +73,7 @@ struct Expected {
   py::object frame_group;          // the frame's amax_group (delayed)
   py::object amax_group;           // the layer's `_fp8_amax_group` it led to (delayed)
   bool return_bias;                // returns (y, bias), the op adding none
-  bool main_grad;                  // fuse_wgrad_accumulation: the weight's main_grad, read
+  bool main_grad;                  // fuse_wgrad_accumulation: weight.main_grad read per call
   std::optional<c10::ScalarType> autocast_dtype;  // torch.autocast's for the input's device
 };
 
