@@ -67,23 +67,23 @@ def test_module_runpath_has_no_absolute_path():
     assert all(p.startswith("$ORIGIN") for p in paths), (tpfp8._C.__file__, paths)
 
 
+BINUTILS = shutil.which("nm") is not None and shutil.which("readelf") is not None
+NEEDS_BINUTILS = pytest.mark.skipif(not BINUTILS, reason="readelf and nm (binutils) not installed")
+
+
 def _gxx_with_static_libstdcxx():
     """g++, where it can link libstdc++ statically (its libstdc++.a is installed); else None."""
     gxx = shutil.which("g++")
-    if gxx is None or shutil.which("nm") is None or shutil.which("readelf") is None:
+    if gxx is None or not BINUTILS:
         return None
     found = subprocess.run([gxx, "-print-file-name=libstdc++.a"], capture_output=True,
                            text=True).stdout.strip()
     return gxx if os.path.isabs(found) else None
 
 
-NEEDS_STATIC_LIBSTDCXX = pytest.mark.skipif(
-    _gxx_with_static_libstdcxx() is None, reason="needs nm and g++ with libstdc++.a")
-
-
-NEEDS_BINUTILS = pytest.mark.skipif(
-    shutil.which("nm") is None or shutil.which("readelf") is None,
-    reason="readelf and nm (binutils) not installed")
+GXX_STATIC = _gxx_with_static_libstdcxx()  # (asked once)
+NEEDS_STATIC_LIBSTDCXX = pytest.mark.skipif(GXX_STATIC is None,
+                                            reason="needs nm and g++ with libstdc++.a")
 
 
 @NEEDS_BINUTILS
@@ -109,7 +109,7 @@ def test_a_module_with_its_own_libstdcxx_is_recognised(tmp_path, link):
     src.write_text("#include <sstream>\n#include <string>\n"
                    "std::string format(long n) { std::ostringstream s; s << n; return s.str(); }\n")
     lib = tmp_path / "libformat.so"
-    subprocess.run([_gxx_with_static_libstdcxx(), "-shared", "-fPIC", *LINKS[link], str(src),
+    subprocess.run([GXX_STATIC, "-shared", "-fPIC", *LINKS[link], str(src),
                     "-o", str(lib)], check=True, timeout=120)
     assert _build_check.static_libstdcxx(str(lib)) is (link != "dynamic")
 
