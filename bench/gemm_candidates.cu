@@ -8,7 +8,10 @@
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -DTPFP8_WITH_CUDA -I$N/include \
 //     -Icsrc -Icsrc/kernels -o /tmp/gemm_candidates bench/gemm_candidates.cu \
 //     csrc/kernels/gemm_common.cpp -L$N/lib -l:libcublasLt.so.13 -ldl
-//   LD_LIBRARY_PATH=$N/lib /tmp/gemm_candidates [hidden [tokens]]    # default 4096 8192
+//   LD_LIBRARY_PATH=$N/lib /tmp/gemm_candidates [--search] [hidden [tokens]]  # 4096 8192
+// --search goes past the heuristic's list: every configuration gemm.cu's every_config() finds
+// (what TPFP8_GEMM_AUTOTUNE=search sweeps), each timed in a burst; the fastest few are then
+// timed sustained beside the heuristic's own first three.
 // J/call comes from a counter read over ~0.4 s; its update granularity makes single readings
 // coarse (tens of %), so rank by time.
 #include <cuda_fp8.h>
@@ -118,6 +121,82 @@ void survey(const char* name, const GemmParams& p, const EnergyCounter& energy, 
   cublasLtDestroy(handle);
 }
 
+template <typename T>
+T algo_config(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
+  T v{};
+  size_t size = 0;
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof(v), &size);
+  return v;
+}
+
+std::string describe(const cublasLtMatmulAlgo_t& algo) {
+  std::ostringstream os;
+  os << "algo " << algo_config<int32_t>(algo, CUBLASLT_ALGO_CONFIG_ID) << " tile "
+     << algo_config<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_TILE_ID) << " stages "
+     << algo_config<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID) << " swizzle "
+     << algo_config<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING) << " custom "
+     << algo_config<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION) << " cluster "
+     << algo_config<uint16_t>(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID) << " splitk "
+     << algo_config<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
+  return os.str();
+}
+
+// Burst time of every configuration, then the fastest `keep` and the heuristic's first three
+// timed sustained, one after another with a pause between.
+void search(const char* name, const GemmParams& p, cudaStream_t st) {
+  PlanKey key{};
+  key.align_a = alignment(p.a.data), key.align_b = alignment(p.b.data),
+  key.align_d = alignment(p.d);
+  cublasLtHandle_t handle;
+  cublasLtCreate(&handle);
+  Plan plan;
+  const std::string err = build_plan(p, key, handle, plan, st);
+  if (!err.empty()) {
+    printf("%s: no plan: %s\n", name, err.c_str());
+    return;
+  }
+  set_pointers(plan, p);
+  const double flop = 2.0 * p.m * p.n * p.k;
+  printf("== %s m=%lld n=%lld k=%lld\n", name, static_cast<long long>(p.m),
+         static_cast<long long>(p.n), static_cast<long long>(p.k));
+  const std::vector<cublasLtMatmulAlgo_t> configs = every_config(handle, plan, p);
+  std::vector<std::pair<float, int>> burst;
+  for (size_t i = 0; i < configs.size(); ++i) {
+    auto call = [&] { run(handle, plan, configs[i], p, st); };
+    if (run(handle, plan, configs[i], p, st) != CUBLAS_STATUS_SUCCESS ||
+        cudaStreamSynchronize(st) != cudaSuccess) {
+      cudaGetLastError();
+      continue;
+    }
+    burst.emplace_back(per_call_ms(call, 3, st), static_cast<int>(i));
+  }
+  std::sort(burst.begin(), burst.end());
+  printf("  %zu configurations ran; fastest bursts:\n", burst.size());
+  cublasLtMatmulHeuristicResult_t res[32] = {};
+  const int found = all_candidates(handle, plan, key, p, res);
+  std::vector<std::pair<std::string, cublasLtMatmulAlgo_t>> finals;
+  for (int i = 0; i < std::min(found, 3); ++i) {
+    finals.emplace_back("heuristic #" + std::to_string(i), res[i].algo);
+  }
+  constexpr size_t kKeep = 6;
+  for (size_t i = 0; i < std::min(kKeep, burst.size()); ++i) {
+    finals.emplace_back("search #" + std::to_string(i), configs[burst[i].second]);
+  }
+  for (const auto& final : finals) {
+    const cublasLtMatmulAlgo_t& algo = final.second;
+    auto call = [&] { run(handle, plan, algo, p, st); };
+    usleep(300000);
+    const float b = per_call_ms(call, 5, st);
+    const int n = std::max(30, static_cast<int>(500.0f / b));
+    for (int q = 0; q < n / 3; ++q) call();
+    const float sustained = per_call_ms(call, 2 * n / 3, st);
+    printf("  %-13s %s: burst %6.1f us (%4.0f TFLOPS)  sustained %6.1f us (%4.0f TFLOPS)\n",
+           final.first.c_str(), describe(algo).c_str(), b * 1e3, flop / b / 1e9, sustained * 1e3,
+           flop / sustained / 1e9);
+  }
+  cublasLtDestroy(handle);
+}
+
 // Normal(0, 8) values as E4M3 or E5M2 codes.
 void* random_codes(size_t n, bool e5m2, std::mt19937& g) {
   std::normal_distribution<float> normal(0.0f, 8.0f);
@@ -137,10 +216,15 @@ void* random_codes(size_t n, bool e5m2, std::mt19937& g) {
 
 int main(int argc, char** argv) {
   using namespace tpfp8;
-  const int64_t hidden = argc > 1 ? std::atoll(argv[1]) : 4096;
-  const int64_t tokens = argc > 2 ? std::atoll(argv[2]) : 8192;
-  if (argc > 3 || hidden <= 0 || tokens <= 0 || hidden % 16 || tokens % 16) {
-    fprintf(stderr, "usage: %s [hidden [tokens]]  (multiples of 16; default 4096 8192)\n", argv[0]);
+  const bool exhaustive = argc > 1 && std::strcmp(argv[1], "--search") == 0;
+  const int first = exhaustive ? 2 : 1;
+  const int64_t hidden = argc > first ? std::atoll(argv[first]) : 4096;
+  const int64_t tokens = argc > first + 1 ? std::atoll(argv[first + 1]) : 8192;
+  if (argc > first + 2 || hidden <= 0 || tokens <= 0 || hidden % 16 || tokens % 16) {
+    fprintf(stderr,
+            "usage: %s [--search] [hidden [tokens]]  (multiples of 16; default 4096 8192)\n"
+            "  times cuBLASLt's FP8 GEMM candidates for an MLP step (see the file's header)\n",
+            argv[0]);
     return 2;
   }
   int gpus = 0;
@@ -187,7 +271,11 @@ int main(int argc, char** argv) {
     p.bias = s.bias ? bias : nullptr;
     p.fast_accum = !s.grad;
     p.workspace = ws, p.workspace_size = kGemmWorkspaceBytes;
-    survey(s.name, p, energy, st);
+    if (exhaustive) {
+      search(s.name, p, st);
+    } else {
+      survey(s.name, p, energy, st);
+    }
   }
   return 0;
 }

@@ -1,9 +1,14 @@
 """tpfp8.ops.gemm: the CPU reference against float64 math, cuBLASLt against the CPU reference
 on the same FP8 bytes, and the argument errors."""
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from conftest import requires_gpu
+from conftest import package_root, requires_gpu
 from fp8_oracle import code_values
 from tpfp8 import ops
 
@@ -203,3 +208,34 @@ def test_gpu_gemm_is_cuda_graph_capturable():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+SEARCH_SCRIPT = """
+import torch
+from tpfp8 import ops
+from test_gemm import fp8_operand, gpu_vs_cpu, rel_err, FP8_BOUND
+for fast_accum, (m, k, n) in [(True, (512, 256, 384)), (False, (300, 512, 128))]:
+    a, sa = fp8_operand((m, k), "e4m3", 1)
+    b, sb = fp8_operand((n, k), "e5m2", 2)
+    got, want = gpu_vs_cpu(a, b, torch.bfloat16, bias=torch.ones(n, dtype=torch.bfloat16),
+                           a_format="e4m3", b_format="e5m2", a_scale_inv=sa, b_scale_inv=sb,
+                           fast_accum=fast_accum)
+    print("err", rel_err(got, want), max(2.0 ** -8, FP8_BOUND[fast_accum]))
+"""
+
+
+@requires_gpu
+def test_gpu_gemm_search_mode_sweeps_and_stays_correct():
+    """TPFP8_GEMM_AUTOTUNE=search (read once a process, hence the subprocess): each new shape
+    says on stderr how many configurations it times, and the chosen one matches the CPU
+    reference as the heuristic's does."""
+    env = dict(os.environ, TPFP8_GEMM_AUTOTUNE="search",
+               PYTHONPATH=os.pathsep.join([package_root(), os.path.dirname(__file__)]))
+    proc = subprocess.run([sys.executable, "-c", SEARCH_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    swept = re.findall(r"timing (\d+) cuBLASLt configurations for the GEMM M=(\d+)", proc.stderr)
+    assert [m for _, m in swept] == ["512", "300"], proc.stderr
+    assert all(int(count) > 8 for count, _ in swept), proc.stderr  # more than the heuristic's
+    errors = [tuple(map(float, line.split()[1:])) for line in proc.stdout.splitlines()]
+    assert len(errors) == 2 and all(err <= bound for err, bound in errors), proc.stdout

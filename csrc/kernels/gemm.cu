@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -96,12 +98,17 @@ cublasStatus_t set(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, 
   return cublasLtMatmulDescSetAttribute(d, attr, &v, sizeof(v));
 }
 
-bool autotune_enabled() {
-  static const bool on = [] {
+// TPFP8_GEMM_AUTOTUNE: "0" takes the heuristic's first choice, "search" also sweeps every
+// configuration cuBLASLt accepts (see sweep()), anything else times the heuristic's list.
+enum class Autotune { kOff, kHeuristic, kSearch };
+Autotune autotune_mode() {
+  static const Autotune mode = [] {
     const char* env = std::getenv("TPFP8_GEMM_AUTOTUNE");
-    return !(env && std::strcmp(env, "0") == 0);
+    if (env && std::strcmp(env, "0") == 0) return Autotune::kOff;
+    if (env && std::strcmp(env, "search") == 0) return Autotune::kSearch;
+    return Autotune::kHeuristic;
   }();
-  return on;
+  return mode;
 }
 
 void set_pointers(const Plan& plan, const GemmParams& p) {
@@ -120,18 +127,21 @@ cublasStatus_t run(cublasLtHandle_t handle, const Plan& plan, const cublasLtMatm
                         plan.d, p.d, plan.d, &algo, p.workspace, p.workspace_size, stream);
 }
 
-// The heuristic's first choice is sometimes several percent off the best of its own list, so
-// the first call of a shape times the candidates once (a one-time host wait, like cuDNN's
-// benchmark mode; TPFP8_GEMM_AUTOTUNE=0 turns it off). Skipped when D is accumulated into
-// (a trial run would change it) and while the stream is being captured into a CUDA graph.
-cublasLtMatmulAlgo_t fastest(cublasLtHandle_t handle, const Plan& plan, const GemmParams& p,
-                             const cublasLtMatmulHeuristicResult_t* results, int found,
-                             cudaStream_t stream) {
+// Whether the first call of a shape may time candidates: not when D is accumulated into (a
+// trial run would change it), nor while the stream is being captured into a CUDA graph.
+bool may_time(const GemmParams& p, cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   cudaStreamIsCapturing(stream, &capture);
-  if (found == 1 || p.accumulate || capture != cudaStreamCaptureStatusNone || !autotune_enabled()) {
-    return results[0].algo;
-  }
+  return !p.accumulate && capture == cudaStreamCaptureStatusNone;
+}
+
+// The fastest of `candidates` (the heuristic's first choice is sometimes several percent off
+// the best of its own list): timed once, a one-time host wait like cuDNN's benchmark mode.
+cublasLtMatmulAlgo_t fastest(cublasLtHandle_t handle, const Plan& plan, const GemmParams& p,
+                             const std::vector<cublasLtMatmulAlgo_t>& candidates,
+                             cudaStream_t stream) {
+  const int found = static_cast<int>(candidates.size());
+  if (found == 1) return candidates[0];
   set_pointers(plan, p);
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
@@ -142,13 +152,13 @@ cublasLtMatmulAlgo_t fastest(cublasLtHandle_t handle, const Plan& plan, const Ge
   constexpr int kRounds = 3, kReps = 5;
   std::vector<float> best_ms(found, 1e30f);
   for (int i = 0; i < found; ++i) {  // warm-up; a candidate that cannot launch is dropped
-    if (run(handle, plan, results[i].algo, p, stream) != CUBLAS_STATUS_SUCCESS) best_ms[i] = -1;
+    if (run(handle, plan, candidates[i], p, stream) != CUBLAS_STATUS_SUCCESS) best_ms[i] = -1;
   }
   for (int round = 0; round < kRounds; ++round) {
     for (int i = 0; i < found; ++i) {
       if (best_ms[i] < 0) continue;
       cudaEventRecord(start, stream);
-      for (int r = 0; r < kReps; ++r) run(handle, plan, results[i].algo, p, stream);
+      for (int r = 0; r < kReps; ++r) run(handle, plan, candidates[i], p, stream);
       cudaEventRecord(stop, stream);
       float ms = 0.0f;
       if (cudaEventSynchronize(stop) == cudaSuccess &&
@@ -164,7 +174,7 @@ cublasLtMatmulAlgo_t fastest(cublasLtHandle_t handle, const Plan& plan, const Ge
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   cudaGetLastError();  // a candidate that failed to launch leaves no sticky error behind
-  return results[best].algo;
+  return candidates[best];
 }
 
 // cuBLASLt's candidates for a plan's descriptors (at most `max`, its estimate's fastest first)
@@ -189,6 +199,130 @@ cublasStatus_t heuristic_candidates(cublasLtHandle_t handle, const Plan& plan, c
                                       results, found);
   cublasLtMatmulPreferenceDestroy(pref);
   return st;
+}
+
+// The values of one capability of `algo` (its tile or stage ids), or {0} when it lists none.
+std::vector<uint32_t> capability_ids(const cublasLtMatmulAlgo_t& algo,
+                                     cublasLtMatmulAlgoCapAttributes_t cap) {
+  size_t bytes = 0;
+  cublasLtMatmulAlgoCapGetAttribute(&algo, cap, nullptr, 0, &bytes);
+  std::vector<uint32_t> ids(bytes / sizeof(uint32_t));
+  if (!ids.empty()) cublasLtMatmulAlgoCapGetAttribute(&algo, cap, ids.data(), bytes, &bytes);
+  if (ids.empty()) ids.push_back(0);
+  return ids;
+}
+
+template <typename T>
+void set_config(cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr, T value) {
+  cublasLtMatmulAlgoConfigSetAttribute(&algo, attr, &value, sizeof(value));
+}
+
+// Appends to `out` each CTA swizzle x custom option x cluster shape (of at most 4 blocks) of
+// `base` that cuBLASLt accepts for the plan within the workspace.
+void add_accepted_variants(cublasLtHandle_t handle, const Plan& plan, const GemmParams& p,
+                           const cublasLtMatmulAlgo_t& base, uint32_t swizzles, uint32_t customs,
+                           std::vector<cublasLtMatmulAlgo_t>& out) {
+  constexpr uint16_t kClusters[] = {CUBLASLT_CLUSTER_SHAPE_AUTO,  CUBLASLT_CLUSTER_SHAPE_1x1x1,
+                                    CUBLASLT_CLUSTER_SHAPE_2x1x1, CUBLASLT_CLUSTER_SHAPE_1x2x1,
+                                    CUBLASLT_CLUSTER_SHAPE_2x2x1, CUBLASLT_CLUSTER_SHAPE_4x1x1,
+                                    CUBLASLT_CLUSTER_SHAPE_1x4x1};
+  for (uint32_t swizzle = 0; swizzle <= swizzles; ++swizzle) {
+    for (uint32_t custom = 0; custom <= customs; ++custom) {
+      for (uint16_t cluster : kClusters) {
+        cublasLtMatmulAlgo_t a = base;
+        set_config(a, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, swizzle);
+        set_config(a, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, custom);
+        set_config(a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, cluster);
+        cublasLtMatmulHeuristicResult_t r{};
+        if (cublasLtMatmulAlgoCheck(handle, plan.desc, plan.a, plan.b, plan.d, plan.d, &a, &r) ==
+                CUBLAS_STATUS_SUCCESS &&
+            r.workspaceSize <= p.workspace_size) {
+          out.push_back(a);
+        }
+      }
+    }
+  }
+}
+
+// Every configuration cuBLASLt accepts for the plan: each algorithm id for its types x its
+// tiles x stage counts x the variants above (split-K stays 1: these GEMMs have long K and many
+// output tiles).
+std::vector<cublasLtMatmulAlgo_t> every_config(cublasLtHandle_t handle, const Plan& plan,
+                                               const GemmParams& p) {
+  const cudaDataType_t ta = cuda_type(p.b.type), tb = cuda_type(p.a.type);  // cuBLAS A: our B
+  const cudaDataType_t td = cuda_type(p.d_type);
+  int ids[256];
+  int n_ids = 0;
+  cublasLtMatmulAlgoGetIds(handle, CUBLAS_COMPUTE_32F, CUDA_R_32F, ta, tb, td, td, 256, ids,
+                           &n_ids);
+  std::vector<cublasLtMatmulAlgo_t> out;
+  for (int i = 0; i < n_ids; ++i) {
+    cublasLtMatmulAlgo_t algo;
+    if (cublasLtMatmulAlgoInit(handle, CUBLAS_COMPUTE_32F, CUDA_R_32F, ta, tb, td, td, ids[i],
+                               &algo) != CUBLAS_STATUS_SUCCESS) {
+      continue;
+    }
+    uint32_t swizzles = 0;
+    int32_t customs = 0;
+    size_t size = 0;
+    cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_CTA_SWIZZLING_SUPPORT, &swizzles,
+                                      sizeof(swizzles), &size);
+    cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_CUSTOM_OPTION_MAX, &customs,
+                                      sizeof(customs), &size);
+    for (uint32_t tile : capability_ids(algo, CUBLASLT_ALGO_CAP_TILE_IDS)) {
+      for (uint32_t stages : capability_ids(algo, CUBLASLT_ALGO_CAP_STAGES_IDS)) {
+        cublasLtMatmulAlgo_t base = algo;
+        set_config(base, CUBLASLT_ALGO_CONFIG_TILE_ID, tile);
+        set_config(base, CUBLASLT_ALGO_CONFIG_STAGES_ID, stages);
+        add_accepted_variants(handle, plan, p, base, swizzles,
+                              static_cast<uint32_t>(std::max(customs, 0)), out);
+      }
+    }
+  }
+  return out;
+}
+
+// TPFP8_GEMM_AUTOTUNE=search: the `keep` fastest of every_config(), each timed once (two
+// calls after a warm-up), for fastest() to time again beside the heuristic's list. The
+// heuristic's eight miss tiles such as 128x168 that ran 2-5 % faster sustained on three of the
+// H200's MLP GEMMs (bench/RESULTS.md, thirty-seventh session). 35-60 s a large shape, once;
+// says so on stderr.
+std::vector<cublasLtMatmulAlgo_t> sweep(cublasLtHandle_t handle, const Plan& plan,
+                                        const GemmParams& p, size_t keep, cudaStream_t stream) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::vector<cublasLtMatmulAlgo_t> configs = every_config(handle, plan, p);
+  fprintf(stderr,
+          "tpfp8: TPFP8_GEMM_AUTOTUNE=search: timing %zu cuBLASLt configurations for the "
+          "GEMM M=%lld N=%lld K=%lld (once per shape)\n",
+          configs.size(), static_cast<long long>(p.m), static_cast<long long>(p.n),
+          static_cast<long long>(p.k));
+  set_pointers(plan, p);
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  std::vector<std::pair<float, size_t>> timed;
+  for (size_t i = 0; i < configs.size(); ++i) {
+    if (run(handle, plan, configs[i], p, stream) != CUBLAS_STATUS_SUCCESS) continue;
+    cudaEventRecord(start, stream);
+    bool ok = run(handle, plan, configs[i], p, stream) == CUBLAS_STATUS_SUCCESS &&
+              run(handle, plan, configs[i], p, stream) == CUBLAS_STATUS_SUCCESS;
+    cudaEventRecord(stop, stream);
+    float ms = 0.0f;
+    ok = ok && cudaEventSynchronize(stop) == cudaSuccess &&
+         cudaEventElapsedTime(&ms, start, stop) == cudaSuccess;
+    if (ok) timed.emplace_back(ms, i);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaGetLastError();  // a configuration that failed to launch leaves no sticky error behind
+  std::sort(timed.begin(), timed.end());
+  std::vector<cublasLtMatmulAlgo_t> fastest_few;
+  for (size_t i = 0; i < std::min(keep, timed.size()); ++i) {
+    fastest_few.push_back(configs[timed[i].second]);
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  fprintf(stderr, "tpfp8: %zu of them ran, in %.1f s\n", timed.size(), s);
+  return fastest_few;
 }
 
 // Descriptors and algorithm for one key; column-major view described in the file comment.
@@ -228,7 +362,18 @@ std::string build_plan(const GemmParams& p, const PlanKey& key, cublasLtHandle_t
        << (p.bias ? gemm_type_name(p.bias_type) : "") << " (status " << static_cast<int>(st) << ")";
     return os.str();
   }
-  plan.algo = fastest(handle, plan, p, results, found, stream);
+  std::vector<cublasLtMatmulAlgo_t> candidates;
+  for (int i = 0; i < found; ++i) candidates.push_back(results[i].algo);
+  const Autotune mode = autotune_mode();
+  if (mode == Autotune::kOff || !may_time(p, stream)) {
+    plan.algo = candidates[0];
+    return {};
+  }
+  if (mode == Autotune::kSearch) {
+    const std::vector<cublasLtMatmulAlgo_t> swept = sweep(handle, plan, p, kCandidates, stream);
+    candidates.insert(candidates.end(), swept.begin(), swept.end());
+  }
+  plan.algo = fastest(handle, plan, p, candidates, stream);
   return {};
 }
 
