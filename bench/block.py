@@ -25,8 +25,8 @@ from torch.nn import functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import compile as cases_runner  # noqa: E402  (bench/compile.py)
 import tpfp8  # noqa: E402
-from common import (add_energy_argument, device_name, make_parser, print_table,  # noqa: E402
-                    save_json)
+from common import (add_energy_argument, device_name, gemm_autotune, make_parser,  # noqa: E402
+                    print_table, save_json)
 
 SIZES = {"8b": (4096, 14336, 32, 8), "1b": (2048, 8192, 32, 8), "tiny": (64, 128, 4, 2)}
 # CUDA graphs (reduce-overhead, the whole step) for the bf16 baseline, the fused delayed layer
@@ -148,7 +148,7 @@ def main(argv=None):
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     dev = device_name(args.device)
     print(f"torch {torch.__version__}, torchao {cases_runner.torchao_version() or 'not installed'}"
-          f", {dev}", flush=True)
+          f", {dev}, tpfp8 GEMM autotune: {gemm_autotune()}", flush=True)
     tokens = args.batch * args.seq
     results = []
     for name in args.sizes.split(","):
@@ -170,7 +170,8 @@ def main(argv=None):
     cases_runner.print_details(results, names)
     save_json(os.path.join(args.out, "block.json"),
               {"device": dev, "torch": torch.__version__,
-               "torchao": cases_runner.torchao_version(), "batch": args.batch, "seq": args.seq,
+               "torchao": cases_runner.torchao_version(), "gemm_autotune": gemm_autotune(),
+               "batch": args.batch, "seq": args.seq,
                "reps": args.reps, "rounds": args.rounds, "warmup": args.warmup,
                "results": results})
     plotted = [n for n in names if any(r["cases"][n]["speedup_vs_faster_bf16"] for r in results)]

@@ -143,6 +143,12 @@ def energy_per_call(fn, device: str, seconds: float):
     return joules / calls, joules / elapsed
 
 
+def gemm_autotune() -> str:
+    """How tpfp8 picks its cuBLASLt GEMM configurations in this process (README, "GEMM"):
+    TPFP8_GEMM_AUTOTUNE unset times the heuristic's list, "search" sweeps every one."""
+    return os.environ.get("TPFP8_GEMM_AUTOTUNE", "heuristic's list (default)")
+
+
 def device_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))

@@ -54,7 +54,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (add_energy_argument, device_name, energy_per_call,  # noqa: E402
-                    graphed, make_parser, parse_shapes, print_table, save_json, time_ms)
+                    gemm_autotune, graphed, make_parser, parse_shapes, print_table, save_json,
+                    time_ms)
 
 import tpfp8  # noqa: E402
 
@@ -501,7 +502,8 @@ def main(argv=None):
 
     dev = device_name(args.device)
     ao = torchao_version()
-    print(f"torch {torch.__version__}, torchao {ao or 'not installed'}, {dev}", flush=True)
+    print(f"torch {torch.__version__}, torchao {ao or 'not installed'}, {dev}, tpfp8 GEMM "
+          f"autotune: {gemm_autotune()}", flush=True)
     results = []
     for i, (tokens, hidden) in enumerate(sizes):
         print(f"[{i + 1}/{len(sizes)}] tokens={tokens} hidden={hidden} ffn={4 * hidden} ...",
@@ -521,6 +523,7 @@ def main(argv=None):
         r["ffn"] = 4 * r["hidden"]
     save_json(os.path.join(args.out, "compile.json"),
               {"device": dev, "torch": torch.__version__, "torchao": ao,
+               "gemm_autotune": gemm_autotune(),
                "gelu": "exact (erf)", "dtype": "bf16 activations, parameters and gradients",
                "reps": args.reps, "rounds": args.rounds, "warmup": args.warmup,
                "results": results})
