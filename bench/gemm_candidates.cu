@@ -4,7 +4,7 @@
 // gemm.cu, so descriptors, preferences and pointers are the extension's own plan's (a standalone
 // cuBLASLt harness got NOT_SUPPORTED from every call: bench/RESULTS.md, 17th-19th sessions).
 // Run on the GPU machine, from the repository root (N: the cuBLASLt that torch uses):
-//   N=$(python3 -c "import nvidia.cu13, os; print(os.path.dirname(nvidia.cu13.__file__))")
+//   N=$(python3 -c "import nvidia.cu13, os; print(list(nvidia.cu13.__path__)[0])")
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -DTPFP8_WITH_CUDA -I$N/include \
 //     -Icsrc -Icsrc/kernels -o /tmp/gemm_candidates bench/gemm_candidates.cu \
 //     csrc/kernels/gemm_common.cpp -L$N/lib -l:libcublasLt.so.13 -ldl
