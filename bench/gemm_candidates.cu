@@ -71,18 +71,23 @@ int all_candidates(cublasLtHandle_t handle, const Plan& plan, const PlanKey& key
   return found;
 }
 
-void survey(const char* name, const GemmParams& p, const EnergyCounter& energy, cudaStream_t st) {
-  PlanKey key{};
+// gemm.cu's plan for `p` on a new handle, as the extension builds it; false (said) if none.
+bool open_plan(const char* name, const GemmParams& p, cudaStream_t st, cublasLtHandle_t& handle,
+               Plan& plan, PlanKey& key) {
+  key = PlanKey{};
   key.align_a = alignment(p.a.data), key.align_b = alignment(p.b.data),
   key.align_d = alignment(p.d);
-  cublasLtHandle_t handle;
   cublasLtCreate(&handle);
-  Plan plan;
   const std::string err = build_plan(p, key, handle, plan, st);
-  if (!err.empty()) {
-    printf("%s: no plan: %s\n", name, err.c_str());
-    return;
-  }
+  if (!err.empty()) printf("%s: no plan: %s\n", name, err.c_str());
+  return err.empty();
+}
+
+void survey(const char* name, const GemmParams& p, const EnergyCounter& energy, cudaStream_t st) {
+  PlanKey key;
+  cublasLtHandle_t handle;
+  Plan plan;
+  if (!open_plan(name, p, st, handle, plan, key)) return;
   cublasLtMatmulHeuristicResult_t res[32] = {};
   const int found = all_candidates(handle, plan, key, p, res);
   set_pointers(plan, p);
@@ -144,17 +149,10 @@ std::string describe(const cublasLtMatmulAlgo_t& algo) {
 // Burst time of every configuration, then the fastest `keep` and the heuristic's first three
 // timed sustained, one after another with a pause between.
 void search(const char* name, const GemmParams& p, cudaStream_t st) {
-  PlanKey key{};
-  key.align_a = alignment(p.a.data), key.align_b = alignment(p.b.data),
-  key.align_d = alignment(p.d);
+  PlanKey key;
   cublasLtHandle_t handle;
-  cublasLtCreate(&handle);
   Plan plan;
-  const std::string err = build_plan(p, key, handle, plan, st);
-  if (!err.empty()) {
-    printf("%s: no plan: %s\n", name, err.c_str());
-    return;
-  }
+  if (!open_plan(name, p, st, handle, plan, key)) return;
   set_pointers(plan, p);
   const double flop = 2.0 * p.m * p.n * p.k;
   printf("== %s m=%lld n=%lld k=%lld\n", name, static_cast<long long>(p.m),
