@@ -27,6 +27,7 @@ RUNS = [
     ("soak.py", ["--steps", "3", "--every", "2", "--hidden", "32", "--tokens", "16"],
      "soak.json"),
     ("host_time.py", ["--size", "32"], None),
+    ("drift.py", ["--shape", "16x32", "--seconds", "1"], "drift.json"),
 ]
 
 
