@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import device_name, print_table, save_json  # noqa: E402
+from common import device_name, print_table, save_json, time_ms  # noqa: E402
 
 _BLOCK = 10  # steps timed together: one event pair per block keeps the GPU queue full
 _WINDOWS_S = (0, 5, 15, 30, 45, 60)
@@ -55,22 +55,6 @@ def mlp_step(tokens: int, hidden: int, device: str):
         y = F.linear(F.gelu(F.linear(x, w1), approximate="tanh"), w2)
         y.backward(dy)
     return step
-
-
-def block_ms(step, device: str) -> float:
-    """Milliseconds per step over one block of back-to-back steps."""
-    if device.startswith("cuda"):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(_BLOCK):
-            step()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / _BLOCK
-    t0 = time.perf_counter()
-    for _ in range(_BLOCK):
-        step()
-    return (time.perf_counter() - t0) * 1e3 / _BLOCK
 
 
 def windows(blocks, seconds: float):
@@ -138,7 +122,7 @@ def main(argv=None):
         torch.cuda.synchronize()
     blocks, t0, next_report = [], time.perf_counter(), 10.0
     while time.perf_counter() - t0 < args.seconds:
-        ms = block_ms(step, args.device)
+        ms = time_ms(step, args.device, _BLOCK, warmup=0, pipelined=True)
         state = card_state(args.device) or (None, None, None)
         blocks.append({"t_s": round(time.perf_counter() - t0, 2), "ms": ms,
                        "temp_c": state[0], "sm_mhz": state[1], "power_w": state[2]})
