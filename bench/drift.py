@@ -1,8 +1,9 @@
 """Does a sustained training step slow down as the card heats? The other benchmarks visit
 their cases in a fixed order (bf16 first) and keep each case's best round. If the card got
 slower over a run, the cases listed first would meet a cooler card, and that order would
-favour bf16. This script runs one bf16 MLP step (fc1 -> GELU -> fc2, 4x hidden, fwd+bwd, as
-bench/compile.py's) back to back for --seconds. It times blocks of 10 steps with CUDA events and
+favour bf16. This script runs one bf16 MLP step back to back for --seconds: fc1 -> GELU
+(tanh) -> fc2, 4x hidden, no biases, fwd+bwd (bench/compile.py's block is the same with biases
+and exact GELU). It times blocks of 10 steps with CUDA events and
 reads the temperature, SM clock and power after each block (nvidia-smi). It prints the step
 time in windows of the run, and saves every block to JSON and a plot of step time and
 temperature against time to PNG.
@@ -111,7 +112,12 @@ def main(argv=None):
                         help="how long to run steps back to back")
     parser.add_argument("--out", default="bench/out", help="folder for the JSON and PNG results")
     args = parser.parse_args(argv)
-    tokens, hidden = (int(v) for v in args.shape.split("x"))
+    try:
+        tokens, hidden = (int(v) for v in args.shape.split("x"))
+    except ValueError:
+        parser.error(f"--shape {args.shape!r}: expected TOKENSxHIDDEN, e.g. 8192x4096")
+    if tokens <= 0 or hidden <= 0 or args.seconds <= 0:
+        parser.error("--shape's sizes and --seconds must be positive")
     print(f"torch {torch.__version__}, {device_name(args.device)}; MLP {tokens}x{hidden}, "
           f"{args.seconds:g} s", flush=True)
     step = mlp_step(tokens, hidden, args.device)
