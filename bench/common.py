@@ -174,8 +174,8 @@ def save_json(path: str, payload: dict) -> None:
     print(f"wrote {path}")
 
 
-def save_bar_plot(path, labels, series: dict, ylabel: str, title: str) -> None:
-    """Grouped bars, one group per label, one bar per series; skipped without matplotlib."""
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or None (said once) without matplotlib."""
     try:
         import matplotlib
 
@@ -183,6 +183,14 @@ def save_bar_plot(path, labels, series: dict, ylabel: str, title: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib not installed: no plot written")
+        return None
+    return plt
+
+
+def save_bar_plot(path, labels, series: dict, ylabel: str, title: str) -> None:
+    """Grouped bars, one group per label, one bar per series; skipped without matplotlib."""
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(labels)), 4))
     width = 0.8 / len(series)

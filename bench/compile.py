@@ -54,8 +54,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (add_energy_argument, device_name, energy_per_call,  # noqa: E402
-                    gemm_autotune, graphed, make_parser, parse_shapes, print_table, save_json,
-                    time_ms)
+                    gemm_autotune, graphed, make_parser, parse_shapes, print_table, pyplot,
+                    save_json, time_ms)
 
 import tpfp8  # noqa: E402
 
@@ -442,13 +442,8 @@ def cell(r):
 def save_plot(path, results, names, dev, xlabel="tokens x hidden (MLP hidden -> 4*hidden -> "
               "hidden)", title="MLP block fwd+bwd under torch.compile"):
     """Grouped bars: one group per size, one bar per case, speed-up vs the faster bf16."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot written")
+    plt = pyplot()
+    if plt is None:
         return
     labels = [f"{r['tokens']}x{r['hidden']}" for r in results]
     fig, ax = plt.subplots(figsize=(max(8, 2.8 * len(labels)), 4.5))

@@ -3,10 +3,10 @@ their cases in a fixed order (bf16 first) and keep each case's best round. If th
 slower over a run, the cases listed first would meet a cooler card, and that order would
 favour bf16. This script runs one bf16 MLP step back to back for --seconds: fc1 -> GELU
 (tanh) -> fc2, 4x hidden, no biases, fwd+bwd (bench/compile.py's block is the same with biases
-and exact GELU). It times blocks of 10 steps with CUDA events and
-reads the temperature, SM clock and power after each block (nvidia-smi). It prints the step
-time in windows of the run, and saves every block to JSON and a plot of step time and
-temperature against time to PNG.
+and exact GELU). It times blocks of 10 steps with CUDA events and reads the temperature, SM
+clock and power after each block (nvidia-smi; the GPU idles while it answers, ~20 % of the run
+on the H200). It prints the step time in windows of the run, and saves every block to JSON and
+a plot of step time and temperature against time to PNG.
 
   python bench/drift.py                  # 75 s at hidden 4096, 8192 tokens
   python bench/drift.py --seconds 300
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import device_name, print_table, save_json, time_ms  # noqa: E402
+from common import device_name, print_table, pyplot, save_json, time_ms  # noqa: E402
 
 _BLOCK = 10  # steps timed together: one event pair per block keeps the GPU queue full
 _WINDOWS_S = (0, 5, 15, 30, 45, 60)
@@ -77,13 +77,8 @@ def windows(blocks, seconds: float):
 
 
 def save_plot(path: str, blocks) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot written")
+    plt = pyplot()
+    if plt is None:
         return
     t = [b["t_s"] for b in blocks]
     fig, ax = plt.subplots(figsize=(8, 4))
