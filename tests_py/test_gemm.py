@@ -239,3 +239,41 @@ def test_gpu_gemm_search_mode_sweeps_and_stays_correct():
     assert all(int(count) > 8 for count, _ in swept), proc.stderr  # more than the heuristic's
     errors = [tuple(map(float, line.split()[1:])) for line in proc.stdout.splitlines()]
     assert len(errors) == 2 and all(err <= bound for err, bound in errors), proc.stdout
+
+
+LOG_SCRIPT = """
+import torch
+from tpfp8 import ops
+a = torch.randn(272, 384, device="cuda", dtype=torch.bfloat16)
+b = torch.randn(208, 384, device="cuda", dtype=torch.bfloat16)
+out = torch.zeros(272, 208, device="cuda", dtype=torch.float32)
+for _ in range(2):  # the second call reuses the plan and says nothing
+    ops.gemm(a, b, out_dtype=torch.bfloat16)
+ops.gemm(a, b, out=out, accumulate=True)
+torch.cuda.synchronize()
+"""
+
+
+@requires_gpu
+def test_gpu_gemm_log_names_each_new_plan_and_how_it_was_chosen():
+    """TPFP8_GEMM_LOG=1 (read once a process): one stderr line per new plan, naming the shape,
+    the configuration and either the candidates' times (the chosen one starred, also the
+    fastest) or why none were timed; a plan reused logs nothing."""
+    env = dict(os.environ, TPFP8_GEMM_LOG="1", PYTHONPATH=package_root())
+    proc = subprocess.run([sys.executable, "-c", LOG_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("tpfp8 GEMM ")]
+    assert len(lines) == 2, proc.stderr
+    timed, accumulated = lines
+    plan = "tpfp8 GEMM M=272 N=208 K=384 bfloat16 x bfloat16 -> "
+    assert timed.startswith(plan + "bfloat16: algo "), timed
+    assert re.search(r" tile \d+ stages \d+ cluster \d+ swizzle \d+ custom \d+ split-k \d+;",
+                     timed), timed
+    if "the only candidate" not in timed:
+        times = re.search(r"us a call:(.*)$", timed).group(1).split()
+        chosen = [float(t[1:]) for t in times if t.startswith("*")]
+        others = [float(t) for t in times if not t.startswith("*") and float(t) >= 0]
+        assert len(chosen) == 1 and chosen[0] > 0 and all(chosen[0] <= t for t in others), timed
+    assert accumulated.startswith(plan + "float32 accumulate: algo "), accumulated
+    assert accumulated.endswith("the heuristic's first (not timed: D accumulates)"), accumulated

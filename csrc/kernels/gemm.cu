@@ -111,6 +111,15 @@ Autotune autotune_mode() {
   return mode;
 }
 
+// TPFP8_GEMM_LOG=1: each new plan says on stderr which configuration it runs and why.
+bool log_choices() {
+  static const bool on = [] {
+    const char* env = std::getenv("TPFP8_GEMM_LOG");
+    return env && std::strcmp(env, "1") == 0;
+  }();
+  return on;
+}
+
 void set_pointers(const Plan& plan, const GemmParams& p) {
   // cuBLAS's first operand is our B, so the scale pointers swap.
   if (is_fp8(p.a.type)) {
@@ -135,13 +144,15 @@ bool may_time(const GemmParams& p, cudaStream_t stream) {
   return !p.accumulate && capture == cudaStreamCaptureStatusNone;
 }
 
-// The fastest of `candidates` (the heuristic's first choice is sometimes several percent off
-// the best of its own list): timed once, a one-time host wait like cuDNN's benchmark mode.
-cublasLtMatmulAlgo_t fastest(cublasLtHandle_t handle, const Plan& plan, const GemmParams& p,
-                             const std::vector<cublasLtMatmulAlgo_t>& candidates,
-                             cudaStream_t stream) {
+// The index of the fastest of `candidates` (the heuristic's first choice is sometimes several
+// percent off the best of its own list), timed once, a one-time host wait like cuDNN's
+// benchmark mode. `us` gets each one's best time a call (-1: it could not launch).
+int fastest(cublasLtHandle_t handle, const Plan& plan, const GemmParams& p,
+            const std::vector<cublasLtMatmulAlgo_t>& candidates, cudaStream_t stream,
+            std::vector<float>& us) {
   const int found = static_cast<int>(candidates.size());
-  if (found == 1) return candidates[0];
+  us.assign(found, 1e30f);
+  if (found == 1) return 0;
   set_pointers(plan, p);
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
@@ -150,31 +161,69 @@ cublasLtMatmulAlgo_t fastest(cublasLtHandle_t handle, const Plan& plan, const Ge
   // ramp or a one-off stall does not decide the choice (few-microsecond GEMMs get the same
   // care as long ones: a run is cheap).
   constexpr int kRounds = 3, kReps = 5;
-  std::vector<float> best_ms(found, 1e30f);
   for (int i = 0; i < found; ++i) {  // warm-up; a candidate that cannot launch is dropped
-    if (run(handle, plan, candidates[i], p, stream) != CUBLAS_STATUS_SUCCESS) best_ms[i] = -1;
+    if (run(handle, plan, candidates[i], p, stream) != CUBLAS_STATUS_SUCCESS) us[i] = -1;
   }
   for (int round = 0; round < kRounds; ++round) {
     for (int i = 0; i < found; ++i) {
-      if (best_ms[i] < 0) continue;
+      if (us[i] < 0) continue;
       cudaEventRecord(start, stream);
       for (int r = 0; r < kReps; ++r) run(handle, plan, candidates[i], p, stream);
       cudaEventRecord(stop, stream);
       float ms = 0.0f;
       if (cudaEventSynchronize(stop) == cudaSuccess &&
           cudaEventElapsedTime(&ms, start, stop) == cudaSuccess) {
-        best_ms[i] = std::min(best_ms[i], ms);
+        us[i] = std::min(us[i], ms * 1000.0f / kReps);
       }
     }
   }
   int best = 0;
   for (int i = 1; i < found; ++i) {
-    if (best_ms[i] >= 0 && (best_ms[best] < 0 || best_ms[i] < best_ms[best])) best = i;
+    if (us[i] >= 0 && (us[best] < 0 || us[i] < us[best])) best = i;
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   cudaGetLastError();  // a candidate that failed to launch leaves no sticky error behind
-  return candidates[best];
+  return best;
+}
+
+template <typename T>
+T config_value(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
+  T value{};
+  size_t size = 0;
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &value, sizeof(value), &size);
+  return value;
+}
+
+// One stderr line for TPFP8_GEMM_LOG: the plan, the configuration it runs (cuBLASLt's enum
+// values: cublasLtMatmulTile_t, ..._Stages_t, cublasLtClusterShape_t) and how it was chosen.
+void log_choice(const GemmParams& p, const cublasLtMatmulAlgo_t& algo, const std::string& how) {
+  fprintf(stderr,
+          "tpfp8 GEMM M=%lld N=%lld K=%lld %s x %s -> %s%s%s: algo %d tile %u stages %u "
+          "cluster %u swizzle %u custom %u split-k %d; %s\n",
+          static_cast<long long>(p.m), static_cast<long long>(p.n), static_cast<long long>(p.k),
+          gemm_type_name(p.a.type), gemm_type_name(p.b.type), gemm_type_name(p.d_type),
+          p.bias ? " +bias" : "", p.accumulate ? " accumulate" : "",
+          config_value<int>(algo, CUBLASLT_ALGO_CONFIG_ID),
+          config_value<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_TILE_ID),
+          config_value<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID),
+          config_value<uint16_t>(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID),
+          config_value<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
+          config_value<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION),
+          config_value<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM), how.c_str());
+}
+
+// "candidate 2 of 8, us: 901.2 *873.4 ..." (the chosen one starred, -1: could not launch).
+std::string timing_summary(int chosen, const std::vector<float>& us, int heuristic_count) {
+  if (us.size() == 1) return "the only candidate (not timed)";
+  std::ostringstream os;
+  os.setf(std::ios::fixed);
+  os.precision(1);
+  os << "timed: candidate " << chosen + 1 << " of " << us.size() << " (the first "
+     << heuristic_count << " the heuristic's), us a call:";
+  for (size_t i = 0; i < us.size(); ++i)
+    os << (static_cast<int>(i) == chosen ? " *" : " ") << us[i];
+  return os.str();
 }
 
 // cuBLASLt's candidates for a plan's descriptors (at most `max`, its estimate's fastest first)
@@ -367,13 +416,22 @@ std::string build_plan(const GemmParams& p, const PlanKey& key, cublasLtHandle_t
   const Autotune mode = autotune_mode();
   if (mode == Autotune::kOff || !may_time(p, stream)) {
     plan.algo = candidates[0];
+    if (log_choices()) {
+      log_choice(p, plan.algo,
+                 mode == Autotune::kOff ? "the heuristic's first (TPFP8_GEMM_AUTOTUNE=0)"
+                 : p.accumulate         ? "the heuristic's first (not timed: D accumulates)"
+                                        : "the heuristic's first (not timed: graph capture)");
+    }
     return {};
   }
   if (mode == Autotune::kSearch) {
     const std::vector<cublasLtMatmulAlgo_t> swept = sweep(handle, plan, p, kCandidates, stream);
     candidates.insert(candidates.end(), swept.begin(), swept.end());
   }
-  plan.algo = fastest(handle, plan, p, candidates, stream);
+  std::vector<float> us;
+  const int chosen = fastest(handle, plan, p, candidates, stream, us);
+  plan.algo = candidates[chosen];
+  if (log_choices()) log_choice(p, plan.algo, timing_summary(chosen, us, found));
   return {};
 }
 
