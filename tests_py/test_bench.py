@@ -42,3 +42,78 @@ def test_benchmark_runs_on_the_cpu(script, args, written, tmp_path):
     if written:
         with open(tmp_path / written) as f:
             assert json.load(f), f"{written} is empty"
+
+
+# bench/repeat.py with a stand-in benchmark: run n (0-based) writes ratio FAKE_RATIOS[n] for
+# case "tpfp8 a" (and 0.1 less for "tpfp8 b"), or fails where that ratio is None.
+FAKE_BENCH = """
+import json, os, sys
+out = sys.argv[sys.argv.index("--out") + 1]
+counter = os.path.join(os.path.dirname(out), "count")
+n = int(open(counter).read()) if os.path.exists(counter) else 0
+open(counter, "w").write(str(n + 1))
+ratio = {ratios}[n]
+if ratio is None:
+    sys.exit(3)
+def case(family, r):
+    return {{"family": family, "status": "ok", "ms": 10.0 / r, "speedup_vs_faster_bf16": r}}
+cases = {{"bf16 eager": case("bf16", 1.0), "tpfp8 a": case("tpfp8", ratio),
+          "tpfp8 b": case("tpfp8 fused", ratio - 0.1)}}
+with open(os.path.join(out, "fake.json"), "w") as f:
+    json.dump({{"results": [{{"tokens": 8, "hidden": 4, "cases": cases}}]}}, f)
+"""
+
+
+def run_repeat(tmp_path, ratios, *options):
+    bench = tmp_path / "fake_bench.py"
+    bench.write_text(FAKE_BENCH.format(ratios=ratios))
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, os.path.join("bench", "repeat.py"), "--out", str(out),
+                          *options, "--", sys.executable, str(bench)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    summary = None
+    if (out / "repeat.json").exists():
+        with open(out / "repeat.json") as f:
+            summary = {(r["size"], r["case"]): r for r in json.load(f)["summary"]}
+    return run, summary
+
+
+def test_repeat_reports_median_range_and_target_count_over_the_runs_that_succeeded(tmp_path):
+    run, summary = run_repeat(tmp_path, [1.6, None, 1.8, 1.7], "--runs", "4", "--target", "1.7")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "run 2/4" in run.stdout and "FAILED (return code 3" in run.stdout, run.stdout
+    assert "3 of 4 runs succeeded" in run.stdout, run.stdout
+    a = summary[("8x4", "tpfp8 a")]
+    assert a["ratios"] == pytest.approx([1.6, 1.8, 1.7])
+    assert (a["median"], a["low"], a["high"]) == pytest.approx((1.7, 1.6, 1.8))
+    assert a["at_target"] == 2
+    assert summary[("8x4", "tpfp8 b")]["median"] == pytest.approx(1.6)
+    # each run's fastest tpfp8 case, here always "tpfp8 a"
+    assert summary[("8x4", "best tpfp8 case")]["ratios"] == pytest.approx(a["ratios"])
+    assert (tmp_path / "out" / "run2" / "log.txt").exists()
+
+
+def test_repeat_stops_at_its_budget_and_fails_when_no_run_succeeds(tmp_path):
+    run, summary = run_repeat(tmp_path, [None, None, None], "--runs", "3", "--budget", "0")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "stopping after 1 runs" in run.stdout and "0 of 1 runs succeeded" in run.stdout
+    assert summary == {}
+    run = subprocess.run([sys.executable, os.path.join("bench", "repeat.py"), "--runs", "2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "give the benchmark command after --" in run.stderr
+
+
+@pytest.mark.parametrize("written", ["compile_4096_r5_session38.json",
+                                     "block_8b_r3_session38.json"])
+def test_repeat_reads_what_compile_and_block_write(written):
+    """The JSON of real GPU runs, kept in bench/results, parses into one row per case."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import repeat
+    with open(os.path.join(ROOT, "bench", "results", written)) as f:
+        results = json.load(f)["results"]
+    found = repeat.ratios_by_case(results)
+    cases = {case for (_, case) in found}
+    assert "bf16 eager" in cases and repeat.BEST in cases
+    best = max(r for (_, case), (r, _) in found.items()
+               if case != repeat.BEST and case.startswith("tpfp8"))
+    assert found[("8192x4096", repeat.BEST)][0] == best > 1.0
