@@ -113,12 +113,9 @@ void survey(const char* name, const GemmParams& p, const EnergyCounter& energy, 
     const unsigned long long mj0 = energy.mj();
     const float sustained = per_call_ms(call, 2 * n / 3, st);
     const double joules = (energy.mj() - mj0) / 1000.0 / (2 * n / 3);
-    int tile = 0;
-    size_t size = 0;
-    cublasLtMatmulAlgoConfigGetAttribute(&res[i].algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile,
-                                         sizeof(tile), &size);
+    const uint32_t tile = config_value<uint32_t>(res[i].algo, CUBLASLT_ALGO_CONFIG_TILE_ID);
     printf(
-        "  cand %d tile %3d: burst %6.1f us (%4.0f TFLOPS)  sustained %6.1f us (%4.0f TFLOPS)"
+        "  cand %d tile %3u: burst %6.1f us (%4.0f TFLOPS)  sustained %6.1f us (%4.0f TFLOPS)"
         "  %.4f J/call\n",
         i, tile, burst * 1e3, flop / burst / 1e9, sustained * 1e3, flop / sustained / 1e9, joules);
     usleep(300000);  // and cool down between candidates
@@ -126,23 +123,16 @@ void survey(const char* name, const GemmParams& p, const EnergyCounter& energy, 
   cublasLtDestroy(handle);
 }
 
-template <typename T>
-T algo_config(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
-  T v{};
-  size_t size = 0;
-  cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof(v), &size);
-  return v;
-}
-
+// A configuration in cuBLASLt's enum values (gemm.cu's config_value()).
 std::string describe(const cublasLtMatmulAlgo_t& algo) {
   std::ostringstream os;
-  os << "algo " << algo_config<int32_t>(algo, CUBLASLT_ALGO_CONFIG_ID) << " tile "
-     << algo_config<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_TILE_ID) << " stages "
-     << algo_config<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID) << " swizzle "
-     << algo_config<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING) << " custom "
-     << algo_config<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION) << " cluster "
-     << algo_config<uint16_t>(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID) << " splitk "
-     << algo_config<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
+  os << "algo " << config_value<int32_t>(algo, CUBLASLT_ALGO_CONFIG_ID) << " tile "
+     << config_value<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_TILE_ID) << " stages "
+     << config_value<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID) << " swizzle "
+     << config_value<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING) << " custom "
+     << config_value<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION) << " cluster "
+     << config_value<uint16_t>(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID) << " splitk "
+     << config_value<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
   return os.str();
 }
 
