@@ -19,6 +19,7 @@ import argparse
 import glob
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -40,7 +41,8 @@ def parse_args(argv=None):
                         help="seconds one run may take before it is stopped (default 600)")
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds for all runs: no run starts unless the slowest so far "
-                             "would still end within it (default: no limit)")
+                             "would still end within it, and a run that would overrun it is "
+                             "stopped (default: no limit)")
     parser.add_argument("--target", type=float, default=None,
                         help="a speed-up to judge against: counted per case, drawn on the plot")
     parser.add_argument("command", nargs=argparse.REMAINDER,
@@ -56,28 +58,45 @@ def parse_args(argv=None):
 
 
 def run_once(command, run_dir: str, timeout: float) -> dict:
-    """One process of the benchmark: its return code, seconds, and JSON results (or None)."""
+    """One process of the benchmark: its return code (None when stopped at `timeout`), seconds,
+    and its JSON's per-case figures (`found`, from ratios_by_case; empty when it failed)."""
     os.makedirs(run_dir, exist_ok=True)
     for stale in glob.glob(os.path.join(run_dir, "*.json")):
         os.remove(stale)
     start = time.monotonic()
     with open(os.path.join(run_dir, "log.txt"), "w") as log:
+        # Its own process group, so a timeout also stops what it started (compile workers).
+        proc = subprocess.Popen(command + ["--out", run_dir], stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            rc = subprocess.run(command + ["--out", run_dir], stdout=log, stderr=subprocess.STDOUT,
-                                timeout=timeout).returncode
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            rc = "timeout"
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
     written = sorted(glob.glob(os.path.join(run_dir, "*.json")))
-    results = None
-    if rc == 0 and len(written) == 1:
-        with open(written[0]) as f:
-            results = json.load(f).get("results")
+    results, why = None, None
+    if rc != 0:
+        why = f"stopped after {timeout:.0f} s" if rc is None else f"return code {rc}"
+    elif len(written) != 1:
+        why = f"{len(written)} JSON files written, 1 expected"
+    else:
+        try:
+            with open(written[0]) as f:
+                results = json.load(f)["results"]
+            found = ratios_by_case(results)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            why = f"unreadable JSON ({type(exc).__name__}: {exc})"
+    if why is None and not found:
+        why = "no case ran"
     return {"dir": run_dir, "returncode": rc, "seconds": round(time.monotonic() - start, 1),
-            "json": written, "results": results}
+            "json": written, "failed": why, "results": results if why is None else None,
+            "found": {} if why else found}
 
 
 def ratios_by_case(results) -> dict:
-    """{(size, case): (speed-up, ms)} of one run, plus each size's best tpfp8 case as BEST."""
+    """{(size, case): (speed-up, ms)} of one run, plus each size's fastest tpfp8 case as
+    (size, BEST): (speed-up, ms, its name)."""
     out = {}
     for item in results:
         size = f"{item['tokens']}x{item['hidden']}"
@@ -88,7 +107,7 @@ def ratios_by_case(results) -> dict:
                 continue
             out[(size, case)] = (ratio, row["ms"])
             if row.get("family", "").startswith("tpfp8") and (best is None or ratio > best[0]):
-                best = (ratio, row["ms"])
+                best = (ratio, row["ms"], case)
         if best is not None:
             out[(size, BEST)] = best
     return out
@@ -96,7 +115,7 @@ def ratios_by_case(results) -> dict:
 
 def summarise(runs, target=None) -> list:
     """One row per (size, case) seen in any run: the runs' speed-ups and times, in run order."""
-    per_run = [ratios_by_case(r["results"]) for r in runs if r["results"] is not None]
+    per_run = [r["found"] for r in runs if not r["failed"]]
     keys = []
     for found in per_run:
         keys += [k for k in found if k not in keys]
@@ -107,6 +126,8 @@ def summarise(runs, target=None) -> list:
         row = {"size": size, "case": case, "ratios": ratios, "ms": ms,
                "median": statistics.median(ratios), "low": min(ratios), "high": max(ratios),
                "median_ms": statistics.median(ms)}
+        if case == BEST:
+            row["cases"] = [found[(size, BEST)][2] for found in per_run if (size, BEST) in found]
         if target is not None:
             row["at_target"] = sum(r >= target for r in ratios)
         rows.append(row)
@@ -119,8 +140,8 @@ def print_summary(rows, target) -> None:
         headers.append(f">= {target}x")
     table = []
     for r in rows:
-        line = [r["size"], r["case"], len(r["ratios"]), f"{r['median']:.2f}x", f"{r['low']:.2f}x",
-                f"{r['high']:.2f}x", f"{r['median_ms']:.3f}"]
+        line = [r["size"], r["case"], len(r["ratios"]), f"{r['median']:.3f}x",
+                f"{r['low']:.3f}x", f"{r['high']:.3f}x", f"{r['median_ms']:.3f}"]
         if target is not None:
             line.append(f"{r['at_target']} of {len(r['ratios'])}")
         table.append(line)
@@ -161,22 +182,24 @@ def main(argv=None) -> int:
             print(f"budget: {elapsed:.0f} of {args.budget:.0f} s spent, a run takes up to "
                   f"{slowest:.0f} s: stopping after {len(runs)} runs", flush=True)
             break
-        run = run_once(args.command, os.path.join(args.out, f"run{i + 1}"), args.timeout)
+        # Within the budget, a run is stopped where it would overrun it.
+        timeout = args.timeout if args.budget is None else max(
+            1.0, min(args.timeout, args.budget - elapsed))
+        run = run_once(args.command, os.path.join(args.out, f"run{i + 1}"), timeout)
         runs.append(run)
-        found = ratios_by_case(run["results"]) if run["results"] is not None else {}
-        best = [f"{size} {ratio:.2f}x" for (size, case), (ratio, _) in found.items()
+        best = [f"{size} {v[0]:.3f}x ({v[2]})" for (size, case), v in run["found"].items()
                 if case == BEST]
-        status = ", ".join(best) if found else (
-            f"FAILED (return code {run['returncode']}, JSON files {len(run['json'])}; see "
-            f"{run['dir']}/log.txt)")
-        print(f"run {i + 1}/{args.runs}: {run['seconds']:.0f} s; {BEST}: {status}", flush=True)
+        status = (f"FAILED ({run['failed']}; see {run['dir']}/log.txt)" if run["failed"]
+                  else f"{BEST}: " + (", ".join(best) or "none"))
+        print(f"run {i + 1}/{args.runs}: {run['seconds']:.0f} s; {status}", flush=True)
     rows = summarise(runs, args.target)
-    ok = sum(r["results"] is not None for r in runs)
+    ok = sum(not r["failed"] for r in runs)
     print(f"\n{ok} of {len(runs)} runs succeeded; speed-up over each run's fastest bf16 variant:")
     if rows:
         print_summary(rows, args.target)
     save_json(os.path.join(args.out, "repeat.json"),
-              {"command": args.command, "target": args.target, "runs": runs, "summary": rows})
+              {"command": args.command, "target": args.target, "summary": rows,
+               "runs": [{k: v for k, v in r.items() if k != "found"} for r in runs]})
     save_plot(os.path.join(args.out, "repeat.png"), rows, args.target)
     return 0 if ok else 1
 

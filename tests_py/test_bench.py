@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -44,10 +45,11 @@ def test_benchmark_runs_on_the_cpu(script, args, written, tmp_path):
             assert json.load(f), f"{written} is empty"
 
 
-# bench/repeat.py with a stand-in benchmark: run n (0-based) writes ratio FAKE_RATIOS[n] for
-# case "tpfp8 a" (and 0.1 less for "tpfp8 b"), or fails where that ratio is None.
+# bench/repeat.py with a stand-in benchmark: run n (0-based) writes ratio `ratios`[n] for case
+# "tpfp8 a" (and 0.1 less for "tpfp8 b"); where that entry is None it fails, "sleep" hangs (in
+# a child of its own, as compile workers do), "bad" writes a truncated JSON.
 FAKE_BENCH = """
-import json, os, sys
+import json, os, subprocess, sys, time
 out = sys.argv[sys.argv.index("--out") + 1]
 counter = os.path.join(os.path.dirname(out), "count")
 n = int(open(counter).read()) if os.path.exists(counter) else 0
@@ -55,6 +57,13 @@ open(counter, "w").write(str(n + 1))
 ratio = {ratios}[n]
 if ratio is None:
     sys.exit(3)
+if ratio == "sleep":
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    open(os.path.join(os.path.dirname(out), "child"), "w").write(str(child.pid))
+    time.sleep(60)
+if ratio == "bad":
+    open(os.path.join(out, "fake.json"), "w").write('{{"results": [')
+    sys.exit(0)
 def case(family, r):
     return {{"family": family, "status": "ok", "ms": 10.0 / r, "speedup_vs_faster_bf16": r}}
 cases = {{"bf16 eager": case("bf16", 1.0), "tpfp8 a": case("tpfp8", ratio),
@@ -81,7 +90,9 @@ def run_repeat(tmp_path, ratios, *options):
 def test_repeat_reports_median_range_and_target_count_over_the_runs_that_succeeded(tmp_path):
     run, summary = run_repeat(tmp_path, [1.6, None, 1.8, 1.7], "--runs", "4", "--target", "1.7")
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "run 2/4" in run.stdout and "FAILED (return code 3" in run.stdout, run.stdout
+    lines = run.stdout.splitlines()
+    assert lines[1].startswith("run 2/4: ") and "s; FAILED (return code 3" in lines[1], lines
+    assert lines[2].endswith("s; best tpfp8 case: 8x4 1.800x (tpfp8 a)"), lines
     assert "3 of 4 runs succeeded" in run.stdout, run.stdout
     a = summary[("8x4", "tpfp8 a")]
     assert a["ratios"] == pytest.approx([1.6, 1.8, 1.7])
@@ -89,8 +100,28 @@ def test_repeat_reports_median_range_and_target_count_over_the_runs_that_succeed
     assert a["at_target"] == 2
     assert summary[("8x4", "tpfp8 b")]["median"] == pytest.approx(1.6)
     # each run's fastest tpfp8 case, here always "tpfp8 a"
-    assert summary[("8x4", "best tpfp8 case")]["ratios"] == pytest.approx(a["ratios"])
+    best = summary[("8x4", "best tpfp8 case")]
+    assert best["ratios"] == pytest.approx(a["ratios"]) and best["cases"] == ["tpfp8 a"] * 3
     assert (tmp_path / "out" / "run2" / "log.txt").exists()
+
+
+def test_repeat_stops_a_hung_run_with_its_children_and_skips_an_unreadable_json(tmp_path):
+    run, summary = run_repeat(tmp_path, ["sleep", "bad", 1.7], "--runs", "3", "--timeout", "2")
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("run 1/3: ") and "FAILED (stopped after 2 s" in lines[0], lines
+    assert lines[1].startswith("run 2/3: ") and "FAILED (unreadable JSON" in lines[1], lines
+    assert "1 of 3 runs succeeded" in run.stdout, run.stdout
+    assert summary[("8x4", "tpfp8 a")]["ratios"] == pytest.approx([1.7])
+    child = int((tmp_path / "out" / "child").read_text())
+    for _ in range(50):  # the killed child is reaped by init a moment later
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the hung run's child {child} outlived the timeout")
 
 
 def test_repeat_stops_at_its_budget_and_fails_when_no_run_succeeds(tmp_path):
@@ -105,15 +136,16 @@ def test_repeat_stops_at_its_budget_and_fails_when_no_run_succeeds(tmp_path):
 
 @pytest.mark.parametrize("written", ["compile_4096_r5_session38.json",
                                      "block_8b_r3_session38.json"])
-def test_repeat_reads_what_compile_and_block_write(written):
+def test_repeat_reads_what_compile_and_block_write(written, monkeypatch):
     """The JSON of real GPU runs, kept in bench/results, parses into one row per case."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
     import repeat
     with open(os.path.join(ROOT, "bench", "results", written)) as f:
         results = json.load(f)["results"]
     found = repeat.ratios_by_case(results)
     cases = {case for (_, case) in found}
     assert "bf16 eager" in cases and repeat.BEST in cases
-    best = max(r for (_, case), (r, _) in found.items()
+    best = max((v[0], case) for (_, case), v in found.items()
                if case != repeat.BEST and case.startswith("tpfp8"))
-    assert found[("8192x4096", repeat.BEST)][0] == best > 1.0
+    ratio, _, name = found[("8192x4096", repeat.BEST)]
+    assert (ratio, name) == best and ratio > 1.0

@@ -260,6 +260,7 @@ def test_gpu_gemm_log_names_each_new_plan_and_how_it_was_chosen():
     the configuration and either the candidates' times (the chosen one starred, also the
     fastest) or why none were timed; a plan reused logs nothing."""
     env = dict(os.environ, TPFP8_GEMM_LOG="1", PYTHONPATH=package_root())
+    env.pop("TPFP8_GEMM_AUTOTUNE", None)  # the default mode, which times the candidates
     proc = subprocess.run([sys.executable, "-c", LOG_SCRIPT], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

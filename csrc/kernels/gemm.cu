@@ -213,7 +213,8 @@ void log_choice(const GemmParams& p, const cublasLtMatmulAlgo_t& algo, const std
           config_value<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM), how.c_str());
 }
 
-// "candidate 2 of 8, us: 901.2 *873.4 ..." (the chosen one starred, -1: could not launch).
+// "timed: candidate 2 of 8 (...), us a call: 901.2 *873.4 ...": the chosen one starred; -1.0
+// could not launch.
 std::string timing_summary(int chosen, const std::vector<float>& us, int heuristic_count) {
   if (us.size() == 1) return "the only candidate (not timed)";
   std::ostringstream os;
