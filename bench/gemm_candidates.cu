@@ -123,19 +123,6 @@ void survey(const char* name, const GemmParams& p, const EnergyCounter& energy, 
   cublasLtDestroy(handle);
 }
 
-// A configuration in cuBLASLt's enum values (gemm.cu's config_value()).
-std::string describe(const cublasLtMatmulAlgo_t& algo) {
-  std::ostringstream os;
-  os << "algo " << config_value<int32_t>(algo, CUBLASLT_ALGO_CONFIG_ID) << " tile "
-     << config_value<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_TILE_ID) << " stages "
-     << config_value<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID) << " swizzle "
-     << config_value<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING) << " custom "
-     << config_value<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION) << " cluster "
-     << config_value<uint16_t>(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID) << " splitk "
-     << config_value<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
-  return os.str();
-}
-
 // Burst time of every configuration, then the fastest `keep` and the heuristic's first three
 // timed sustained, one after another with a pause between.
 void search(const char* name, const GemmParams& p, cudaStream_t st) {

@@ -195,22 +195,27 @@ T config_value(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttribu
   return value;
 }
 
-// One stderr line for TPFP8_GEMM_LOG: the plan, the configuration it runs (cuBLASLt's enum
-// values: cublasLtMatmulTile_t, ..._Stages_t, cublasLtClusterShape_t) and how it was chosen.
+// A configuration in cuBLASLt's enum values (cublasLtMatmulTile_t, ..._Stages_t,
+// cublasLtClusterShape_t); bench/gemm_candidates.cu prints it too.
+std::string describe(const cublasLtMatmulAlgo_t& algo) {
+  std::ostringstream os;
+  os << "algo " << config_value<int32_t>(algo, CUBLASLT_ALGO_CONFIG_ID) << " tile "
+     << config_value<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_TILE_ID) << " stages "
+     << config_value<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID) << " cluster "
+     << config_value<uint16_t>(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID) << " swizzle "
+     << config_value<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING) << " custom "
+     << config_value<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION) << " split-k "
+     << config_value<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
+  return os.str();
+}
+
+// One stderr line for TPFP8_GEMM_LOG: the plan, the configuration it runs, how it was chosen.
 void log_choice(const GemmParams& p, const cublasLtMatmulAlgo_t& algo, const std::string& how) {
-  fprintf(stderr,
-          "tpfp8 GEMM M=%lld N=%lld K=%lld %s x %s -> %s%s%s: algo %d tile %u stages %u "
-          "cluster %u swizzle %u custom %u split-k %d; %s\n",
+  fprintf(stderr, "tpfp8 GEMM M=%lld N=%lld K=%lld %s x %s -> %s%s%s: %s; %s\n",
           static_cast<long long>(p.m), static_cast<long long>(p.n), static_cast<long long>(p.k),
           gemm_type_name(p.a.type), gemm_type_name(p.b.type), gemm_type_name(p.d_type),
-          p.bias ? " +bias" : "", p.accumulate ? " accumulate" : "",
-          config_value<int>(algo, CUBLASLT_ALGO_CONFIG_ID),
-          config_value<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_TILE_ID),
-          config_value<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID),
-          config_value<uint16_t>(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID),
-          config_value<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
-          config_value<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION),
-          config_value<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM), how.c_str());
+          p.bias ? " +bias" : "", p.accumulate ? " accumulate" : "", describe(algo).c_str(),
+          how.c_str());
 }
 
 // "timed: candidate 2 of 8 (...), us a call: 901.2 *873.4 ...": the chosen one starred; -1.0
