@@ -66,7 +66,9 @@ def time_ms(fn, device: str, reps: int, warmup: int = 5, pipelined: bool = False
 
 def graphed(fn, warmup: int = 3):
     """`fn` captured in a CUDA graph after `warmup` calls on a side stream: a callable that
-    replays it and returns what the captured call returned (its static output)."""
+    replays it and returns what the captured call returned (its static output). The callable
+    keeps `fn` alive, and with it what `fn` holds: the graph writes a model's buffers (tpfp8's
+    FP8 scales and amax histories), and a probe that kept only the replay freed them under it."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -80,6 +82,7 @@ def graphed(fn, warmup: int = 3):
     def replay():
         graph.replay()
         return out
+    replay.step = fn
     return replay
 
 
