@@ -68,7 +68,8 @@ def graphed(fn, warmup: int = 3):
     """`fn` captured in a CUDA graph after `warmup` calls on a side stream: a callable that
     replays it and returns what the captured call returned (its static output). The callable
     keeps `fn` alive, and with it what `fn` holds: the graph writes a model's buffers (tpfp8's
-    FP8 scales and amax histories), and a probe that kept only the replay freed them under it."""
+    FP8 scales and amax histories), which a caller keeping only the replay would otherwise free
+    under the graph."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
