@@ -75,7 +75,7 @@ def run_once(command, run_dir: str, timeout: float) -> dict:
             proc.wait()
             rc = None
     written = sorted(glob.glob(os.path.join(run_dir, "*.json")))
-    results, why = None, None
+    results, found, why = None, {}, None
     if rc != 0:
         why = f"stopped after {timeout:.0f} s" if rc is None else f"return code {rc}"
     elif len(written) != 1:
@@ -90,7 +90,7 @@ def run_once(command, run_dir: str, timeout: float) -> dict:
     if why is None and not found:
         why = "no case ran"
     return {"dir": run_dir, "returncode": rc, "seconds": round(time.monotonic() - start, 1),
-            "json": written, "failed": why, "results": results if why is None else None,
+            "json": written, "failed": why, "results": None if why else results,
             "found": {} if why else found}
 
 
