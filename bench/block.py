@@ -138,7 +138,8 @@ def main(argv=None):
     add_energy_argument(parser)
     parser.add_argument("--profile", default=None,
                         help="comma-separated substrings: a torch.profiler table of the matching "
-                             "cases after timing, with the GPU's idle gaps and the step's syncs")
+                             "cases after timing, with the GPU's idle gaps, its time by kind of "
+                             "kernel and the step's syncs")
     parser.set_defaults(reps=20)
     args = parser.parse_args(argv)
     cases = CASES

@@ -376,7 +376,7 @@ def profile_case(name, step, device, out, hidden, steps=5):
                   if e.device_type == torch.autograd.DeviceType.CUDA)
     text = (f"profile of '{name}' at hidden {hidden}: host {host_ms:.3f} ms/step to issue, GPU "
             f"busy {busy_us / 1e3 / steps:.3f} ms/step\n" + idle_report(prof, steps) +
-            sync_report(step, device) +
+            kinds_report(prof, steps) + sync_report(step, device) +
             events.table(sort_by="self_device_time_total" if len(activities) > 1
                          else "self_cpu_time_total", row_limit=30))
     print(text, flush=True)
@@ -412,6 +412,38 @@ def idle_report(prof, steps, top=8):
     for us, a, b in sorted(gaps, reverse=True)[:top]:
         lines.append(f"  {us:8.1f} us  after {a[:60]}  before {b[:60]}")
     return "\n".join(lines) + "\n"
+
+
+# Kernel kinds by name, first match wins: (kind, substrings of the kernel's name).
+KERNEL_KINDS = [
+    ("attention", ("sdpa", "fmha", "flash", "cudnn")),
+    ("GEMM", ("nvjet", "gemm", "cutlass", "sm90_xmma")),
+    ("tpfp8", ("tpfp8",)),
+    ("compiler-generated", ("triton_",)),
+    ("memset / copy", ("Memset", "Memcpy", "copy_kernel", "multi_tensor_apply")),
+]
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a GPU kernel, from its name (KERNEL_KINDS); "other" when none matches."""
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in name for k in keys)), "other")
+
+
+def kinds_report(prof, steps):
+    """GPU time per step by kind of kernel, with the kernels a step launches. Compare kinds
+    between cases, not a profile's busy time with timed steps: a few profiled steps after an
+    idle moment run at clocks that a sustained run at the card's power cap does not keep."""
+    per_kind, launches = {}, 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kind = kernel_kind(e.name)
+            per_kind[kind] = per_kind.get(kind, 0) + e.time_range.elapsed_us()
+            launches += 1
+    if not per_kind:
+        return ""
+    return (f"GPU time by kind, us/step ({launches / steps:.0f} kernels a step): " +
+            ", ".join(f"{kind} {us / steps:.1f}" for kind, us in
+                      sorted(per_kind.items(), key=lambda t: -t[1])) + "\n")
 
 
 def sync_report(step, device):
@@ -484,7 +516,8 @@ def main(argv=None):
     parser.add_argument("--profile", default=None,
                         help="comma-separated substrings: after timing, print (and save in --out) "
                              "a torch.profiler table of 5 steps of each matching case, with the "
-                             "GPU's idle gaps between kernels and the step's synchronising calls")
+                             "GPU's idle gaps between kernels, its time by kind of kernel and the "
+                             "step's synchronising calls")
     args = parser.parse_args(argv)
     sizes = parse_shapes(args.shapes) or [(args.tokens, int(h)) for h in args.hidden.split(",")]
     cases = CASES

@@ -4,6 +4,7 @@ broken by a change of the API it calls fails in CI instead of on the GPU machine
 time is short. (gemm.py and sm_share.py need a GPU and refuse the CPU by design.)"""
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,7 +22,8 @@ RUNS = [
     ("norm_cast.py", ["--quick"], "norm_cast.json"),
     ("activation_cast.py", ["--quick"], "activation_cast.json"),
     ("compile.py", ["--shapes", "32x64", "--rounds", "1", "--warmup", "1", "--cases",
-                    "tpfp8 fused delayed eager", *ONE], "compile.json"),
+                    "tpfp8 fused delayed eager", "--profile", "fused delayed eager", *ONE],
+     "compile.json"),
     ("block.py", ["--sizes", "tiny", "--batch", "1", "--seq", "16", "--rounds", "1", "--warmup",
                   "1", "--cases", "tpfp8 fused delayed eager", *ONE], "block.json"),
     ("tp.py", ONE, "tp_bytes.json"),
@@ -149,3 +151,21 @@ def test_repeat_reads_what_compile_and_block_write(written, monkeypatch):
                if case != repeat.BEST and case.startswith("tpfp8"))
     ratio, _, name = found[("8192x4096", repeat.BEST)]
     assert (ratio, name) == best and ratio > 1.0
+
+
+def test_profile_kernel_kinds_name_every_kernel_of_a_real_profile(monkeypatch):
+    """The kinds --profile sums GPU time by, over the kernel names of a real profile (the 8B-like
+    layer, bf16 compiled and tpfp8 under reduce-overhead, H200, kept in bench/results)."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import compile as bench_compile
+    with open(os.path.join(ROOT, "bench", "results", "profile_8b_kernels_session41.log")) as f:
+        names = [m.group(1) for m in map(re.compile(r"^ +[\d.]+ us +x *[\d.]+ +(.+)$").match, f)
+                 if m]
+    kinds = {name: bench_compile.kernel_kind(name) for name in names}
+    assert len(kinds) > 40
+    for name, kind in kinds.items():
+        want = ("GEMM" if name.startswith("nvjet") else "attention" if "cudnn" in name else
+                "tpfp8" if "tpfp8::" in name else
+                "compiler-generated" if name.startswith("triton_") else
+                "other" if "reduce_kernel" in name else "memset / copy")
+        assert kind == want, name
