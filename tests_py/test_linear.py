@@ -359,6 +359,27 @@ def test_module_move_keeps_weight_cache_when_nothing_changed_and_moves_main_grad
     assert getattr(plain.weight, "main_grad", None) is None
 
 
+def test_a_failed_move_leaves_the_fp8_state_where_it_was():
+    """A .to() that raises (no such device here; out of memory on a GPU) keeps the layer's FP8
+    state and weight cache: the next step and state_dict() are as if it was never called (the
+    state was left None before, and every later call failed)."""
+    lin, _ = make(seed=19)
+    twin, _ = make(seed=19)
+    x, dy = torch.randn(16, 32), torch.randn(16, 48)
+    for layer in (lin, twin):
+        run(layer, x, dy, tpfp8.fp8_autocast())
+    before = {k: v.clone() for k, v in lin.state_dict().items()}
+    with pytest.raises((RuntimeError, AssertionError)):
+        lin.to("cuda:99")
+    after = lin.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    for layer in (lin, twin):
+        run(layer, x, dy, tpfp8.fp8_autocast())
+    for a, b in zip(state_of(lin), state_of(twin)):
+        assert torch.equal(a, b)
+
+
 @requires_gpu
 def test_fp8_state_loaded_on_cpu_follows_module_to_gpu():
     """load_state_dict on the CPU, then .cuda(): the loaded scales and histories are used and

@@ -334,15 +334,18 @@ class Linear(nn.Linear):
                    for p in (self.weight, self.bias)]
         # Moved, never converted; remade instead when no FP8 step has run (nothing to keep).
         moved = _FP32_STATE if self._fp8_recipe is not None else _FP32_STATE[len(_STATE):]
-        kept = {name: self._buffers[name] for name in moved}
+        original = {name: self._buffers[name] for name in _FP32_STATE}
         self._buffers.update(dict.fromkeys(_FP32_STATE))
         try:
             super()._apply(fn, *args, **kwargs)
-        finally:
-            for name, t in kept.items():
-                self._buffers[name] = None if t is None else _moved(fn, t)
-            if self._fp8_recipe is None:  # (moving it would copy, to_empty would give garbage)
-                self._keep_state(_scaling.fresh(DelayedScaling(), self.weight.device))
+            arrived = {name: None if original[name] is None else _moved(fn, original[name])
+                       for name in moved}
+        except BaseException:  # (a failed move, out of memory say, leaves the state as it was)
+            self._buffers.update(original)
+            raise
+        self._buffers.update(arrived)
+        if self._fp8_recipe is None:  # (moving it would copy, to_empty would give garbage)
+            self._keep_state(_scaling.fresh(DelayedScaling(), self.weight.device))
         device = self.weight.device
         for param, attrs in zip((self.weight, self.bias), carried):
             for attr, value in attrs.items():
