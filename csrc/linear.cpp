@@ -74,13 +74,6 @@ bool gathers_input(const LinearConfig& c) {
 bool gathers_grad(const LinearConfig& c) {
   return c.parallel_mode == ParallelMode::kRow && c.sequence_parallel;
 }
-// Dim 0 of the output for an input's dim 0: sequence parallelism gathers it (column) or
-// scatters it (row) over the group. (Not from the rows of y and x: there may be none.)
-int64_t output_dim0(int64_t x_dim0, const LinearConfig& c) {
-  if (!c.sequence_parallel) return x_dim0;
-  const int64_t tp = c.tp_group->getSize();
-  return c.parallel_mode == ParallelMode::kColumn ? x_dim0 * tp : x_dim0 / tp;
-}
 // Whether backward keeps the high-precision input (re-quantized, used as it is, or reported).
 bool saves_hp_input(const LinearConfig& c) {
   return !c.fp8() || c.save_original_input || c.debug.active;
@@ -101,6 +94,13 @@ at::Tensor nothing(const at::Tensor& like, at::ScalarType dtype) {
 }
 
 }  // namespace
+
+// (Not from the rows of y and x: there may be none.)
+int64_t output_dim0(int64_t x_dim0, const LinearConfig& c) {
+  if (!c.sequence_parallel) return x_dim0;
+  const int64_t tp = c.tp_group->getSize();
+  return c.parallel_mode == ParallelMode::kColumn ? x_dim0 * tp : x_dim0 / tp;
+}
 
 // The one check of a Linear call's arguments (the fake kernels call it too): each failure is a
 // ValueError that says what was given and how to fix it.
@@ -173,10 +173,11 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, const OptTensor
   if (main_grad) {
     TORCH_CHECK_VALUE(
         main_grad->scalar_type() == at::kFloat && main_grad->sizes() == weight.sizes() &&
-            main_grad->device() == weight.device(),
+            main_grad->device() == weight.device() && main_grad->is_contiguous(),
         "fuse_wgrad_accumulation needs weight.main_grad as float32 ", weight.sizes(),
-        " on the weight's device ", weight.device(), ", got ", main_grad->scalar_type(), " ",
-        main_grad->sizes(), " on ", main_grad->device());
+        ", contiguous (the weight gradient GEMM writes it in place), on the weight's device ",
+        weight.device(), ", got ", main_grad->is_contiguous() ? "" : "a non-contiguous ",
+        main_grad->scalar_type(), " ", main_grad->sizes(), " on ", main_grad->device());
   }
   if (row && c.sequence_parallel) {
     const int64_t tp = c.tp_group->getSize();
@@ -382,7 +383,9 @@ ForwardResult linear_forward(const at::Tensor& x, const at::Tensor& weight, cons
   at::Tensor y = at::empty({x_op.data.size(0), n}, x.options());
   const bool row = c.parallel_mode == ParallelMode::kRow;
   const bool fuse_bias = bias && !row && !(x_op.scale_inv && y.scalar_type() == at::kFloat);
-  run_gemm(x_op, w_op, y, fuse_bias ? OptTensor(bias->to(y.scalar_type())) : std::nullopt, c.fp8());
+  // (The epilogue reads a contiguous bias; nn.Linear takes any, so a strided one is copied.)
+  run_gemm(x_op, w_op, y,
+           fuse_bias ? OptTensor(bias->to(y.scalar_type()).contiguous()) : std::nullopt, c.fp8());
   // 4. Row parallel: sum the partial outputs over the group.
   if (row && c.sequence_parallel) {
     y = reduce_scatter_rows(y, *c.tp_group);

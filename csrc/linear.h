@@ -83,6 +83,10 @@ struct WeightCacheBuffers {
   at::Tensor rowwise, columnwise, scale_inv;
 };
 
+// Dim 0 of a Linear's output for its input's dim 0: sequence parallelism gathers it (column)
+// or scatters it (row) over the group.
+int64_t output_dim0(int64_t x_dim0, const LinearConfig& c);
+
 // Raises ValueError (what was given, how to fix it) unless the forward can run these arguments.
 void check_inputs(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
                   const LinearConfig& c, const DelayedState& state, const WeightCacheBuffers& cache,

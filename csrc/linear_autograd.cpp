@@ -139,6 +139,31 @@ ForwardOutputs run_forward(const at::Tensor& x, const Params& p, const Layer& l)
       p.prologue_bias, c.prologue, c.prologue_eps, c.keep_prologue_output);
 }
 
+// A layer's arguments checked as its forward op checks them, before anything runs.
+ForwardCall checked(const at::Tensor& x, const Params& p, const Layer& l) {
+  const Config& c = l.c;
+  return checked_forward_call(
+      x, p.weight, p.bias, l.replay ? l.replay : l.scale, l.replay ? OptTensor() : l.amax_history,
+      l.cache_rowwise, l.cache_columnwise, l.cache_scale_inv, l.main_grad, c.scaling, c.fwd_format,
+      c.grad_format, c.epsilon, c.weight_cache, c.save_original_input, c.parallel_mode,
+      c.sequence_parallel, c.group_name, c.debug, p.prologue_weight, p.prologue_bias, c.prologue,
+      c.prologue_eps);
+}
+
+// Both layers of an MLP checked before fc1 runs, fc2 against a stand-in for fc1's output (its
+// shape, dtype and device: a stride-0 view of x): a call that fc2 rejects leaves fc1's state
+// (the amax its cast records) as it was.
+// (Traced with symbolic shapes, the fake kernels check the two in turn, and nothing is written.)
+void check_mlp(const at::Tensor& x, const Params& p1, const Layer& l1, const Params& p2,
+               const Layer& l2) {
+  if (x.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return;
+  const ForwardCall first = checked(x, p1, l1);
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = p1.weight.size(0);
+  shape.front() = output_dim0(shape.front(), first.c);
+  checked(x.detach().as_strided(shape, std::vector<int64_t>(shape.size(), 0)), p2, l2);
+}
+
 struct Saved : torch::CustomClassHolder {
   Config c;
   OptTensor scale, grad_amax_history, main_grad, prologue_bias;
@@ -419,6 +444,7 @@ void mlp_kernel(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   auto [p2, l2] = parse_layer(*stack, 1 + kLayerArgs);
   TORCH_CHECK_VALUE(!p2.prologue_weight && !p2.prologue_bias,
                     "mlp: fc2's prologue is an activation, which takes no weight or bias");
+  check_mlp(x, p1, l1, p2, l2);
   at::Tensor y, x_hp;
   if constexpr (kAutograd) {
     const variable_list out = MlpAutograd::apply(x, p1.weight, p1.bias, p1.prologue_weight,

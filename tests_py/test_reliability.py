@@ -130,10 +130,13 @@ def test_rejected_size_check_allocates_no_main_grad(recipe):
     assert saved_state(lin) is None
 
 
+@pytest.mark.parametrize("bad_main_grad", ["shape", "strided"])
 @pytest.mark.parametrize("history_len", [1024, 16])
-def test_rejected_call_keeps_fp8_state_cache_and_main_grad(history_len):
-    """After real steps, a call rejected in C++ (main_grad of the wrong shape) under the same
-    or another recipe leaves scales, histories, the recipe, the weight cache and main_grad."""
+def test_rejected_call_keeps_fp8_state_cache_and_main_grad(history_len, bad_main_grad):
+    """After real steps, a call rejected in C++ (main_grad of the wrong shape, or strided: the
+    GEMM writes it in place, and it was refused only in backward, after the gradient's amax)
+    under the same or another recipe leaves scales, histories, the recipe, the weight cache and
+    main_grad."""
     lin = tpfp8.Linear(32, 32, fuse_wgrad_accumulation=True)
     x = torch.randn(8, 32)
     for first in (True, False):
@@ -143,7 +146,8 @@ def test_rejected_call_keeps_fp8_state_cache_and_main_grad(history_len):
         want = lin(x, is_first_microbatch=False)  # the same input: folds the same amax
     before = everything(lin)
     good_main_grad = lin.weight.main_grad
-    lin.weight.main_grad = torch.zeros(16, 32)
+    lin.weight.main_grad = torch.zeros(16, 32) if bad_main_grad == "shape" else \
+        torch.zeros(32, 32).t()
     with tpfp8.fp8_autocast(recipe=tpfp8.DelayedScaling(amax_history_len=history_len)):
         with pytest.raises(ValueError, match="main_grad"):
             lin(x, is_first_microbatch=True)
@@ -153,6 +157,55 @@ def test_rejected_call_keeps_fp8_state_cache_and_main_grad(history_len):
     with tpfp8.fp8_autocast():
         got = lin(x, is_first_microbatch=False)  # the cache from the real steps, still filled
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fused", [tpfp8.MLP, tpfp8.LayerNormMLP])
+def test_an_mlp_call_its_fc2_rejects_leaves_fc1_untouched(fused):
+    """The MLP op checks both layers before fc1 runs: a call whose fc2 is refused (its main_grad
+    of the wrong dtype) folded fc1's input amax before, and fc1's next scale came out 1000x
+    smaller (the rejected input's), silently."""
+    def steps(reject):
+        torch.manual_seed(0)
+        m = fused(32, 32, fuse_wgrad_accumulation=True)
+        x = torch.randn(4, 32)
+        with tpfp8.fp8_autocast():
+            m(x).sum().backward()
+        if reject:
+            good, before = m.fc2.weight.main_grad, (everything(m.fc1), everything(m.fc2))
+            m.fc2.weight.main_grad = torch.zeros(32, 32, dtype=torch.bfloat16)
+            with tpfp8.fp8_autocast(), pytest.raises(ValueError, match="main_grad"):
+                m(x * 1000)
+            m.fc2.weight.main_grad = good
+            assert same((everything(m.fc1), everything(m.fc2)), before)
+        with tpfp8.fp8_autocast():
+            m(x).sum().backward()
+        return everything(m.fc1), everything(m.fc2)
+    assert same(steps(reject=True), steps(reject=False))
+
+
+def test_an_mlp_whose_fc2_cannot_run_in_fp8_is_refused_before_fc1_casts():
+    m = tpfp8.LayerNormMLP(32, 8, activation="swiglu")  # fc1 32 -> 16, fc2 8 -> 32
+    with tpfp8.fp8_autocast(), pytest.raises(ValueError, match="multiples of 16, got 8"):
+        m(torch.randn(4, 32))
+    assert not m.fc1.fp8_amax_history.any()
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_strided_bias_works_as_in_nn_linear(device, fp8):
+    """A bias that is a view of a larger tensor (a slice of a packed parameter), which
+    nn.Linear takes: the result of a contiguous copy, where it was refused after the casts."""
+    x, dy = torch.randn(8, 32, device=device), torch.randn(8, 16, device=device)
+    runs = []
+    for strided in (False, True):
+        torch.manual_seed(0)
+        lin = tpfp8.Linear(32, 16, device=device)
+        packed = torch.randn(16, 2, device=device)
+        lin.bias = nn.Parameter(packed[:, 0] if strided else packed[:, 0].contiguous())
+        with tpfp8.fp8_autocast(enabled=fp8):
+            y = lin(x)
+        y.backward(dy)
+        runs.append((y, lin.weight.grad, lin.bias.grad))
+    assert same(runs[0], runs[1])
 
 
 # ---- 3. double backward -------------------------------------------------------------
@@ -542,15 +595,55 @@ def test_fp8_state_loads_into_a_layer_on_meta_and_bad_headers_are_refused():
     deferred.load_state_dict(saved, assign=True)
     assert deferred.fp8_state["recipe"] == lin.fp8_state["recipe"]
     other, _ = make(seed=41)
-    before = other.state_dict()
+    before = {name: t.clone() for name, t in other.state_dict().items()}
     for position, value in ((2, 7.0), (4, -1.0), (3, 0.0)):  # format, algorithm, length codes
         bad = dict(saved)
         bad["_extra_state"] = saved["_extra_state"].clone()
         bad["_extra_state"][position] = value
         with pytest.raises(ValueError, match="bad header"):
             other.load_state_dict(bad)
-        for name, t in other.state_dict().items():
-            assert name == "_extra_state" or torch.equal(t, before[name]), name
+        after = other.state_dict()  # (its weights too: the header is read before them)
+        assert all(torch.equal(after[name], before[name]) for name in before)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["Linear", "LayerNormMLP"])
+def test_an_empty_saved_fp8_state_leaves_a_trained_layer_with_none(fused):
+    """A checkpoint saved before the first delayed-scaling step (or under current scaling) has
+    no FP8 state: loaded into a layer that has some, the layer is as the saved one was (its old
+    scales were kept, and its steps differed from the saved model's)."""
+    def make_layer():
+        torch.manual_seed(0)
+        return tpfp8.LayerNormMLP(32, 64) if fused else tpfp8.Linear(32, 48)
+    empty = make_layer().state_dict()
+    warm, cold = make_layer(), make_layer()
+    with tpfp8.fp8_autocast():
+        warm(torch.randn(16, 32) * 100).sum().backward()
+    warm.load_state_dict(empty)
+    cold.load_state_dict(empty)
+    assert warm.state_dict().keys() == empty.keys()
+    assert all(torch.equal(t, empty[k]) for k, t in warm.state_dict().items())
+    assert tpfp8.load_fp8_state(warm, empty) == 0
+    x = torch.randn(16, 32)
+    with tpfp8.fp8_autocast():
+        assert torch.equal(warm(x), cold(x))
+
+
+def test_an_old_style_state_whose_shapes_disagree_is_refused():
+    """The dict of checkpoints written before the tensor layout is checked as the tensor is:
+    histories of 16 under a recipe of 1024 were taken, and the layer's own next checkpoint was
+    unreadable."""
+    lin = tpfp8.Linear(32, 32)
+    with tpfp8.fp8_autocast():
+        lin(torch.randn(8, 32)).sum().backward()
+    before = {k: t.clone() for k, t in lin.state_dict().items()}
+    old_style = {"recipe": tpfp8.DelayedScaling(),
+                 "forward": {"scale": torch.ones(2), "scale_inv": torch.ones(2),
+                             "amax_history": torch.zeros(16, 2)},
+                 "backward": {"scale": torch.ones(1), "scale_inv": torch.ones(1),
+                              "amax_history": torch.zeros(16, 1)}}
+    with pytest.raises(ValueError, match="amax_history_len=1024"):
+        lin.load_state_dict({**before, "_extra_state": old_style})
+    assert all(torch.equal(t, before[k]) for k, t in lin.state_dict().items())
 
 
 def test_moves_that_swap_parameters_keep_main_grad():

@@ -219,20 +219,15 @@ class Linear(nn.Linear):
     def set_extra_state(self, state) -> None:
         """Loads the FP8 state as it was saved (its recipe, its history length); a forward
         with another ``amax_history_len`` then resizes the histories, keeping the newest
-        entries. State of the same layout is loaded into the module's own buffers (those a
-        captured CUDA graph updates). Also reads the dict of checkpoints written before the
-        tensor layout."""
-        if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0) or \
-                (isinstance(state, dict) and not state):
+        entries. An empty state (saved before the first delayed-scaling step, or under current
+        scaling) leaves the layer with none, as the saved layer had: fresh scales and
+        histories. ``None`` (a plain ``nn.Linear`` checkpoint) leaves the layer's state as it
+        is. State of the same layout is loaded into the module's own buffers (those a captured
+        CUDA graph updates). Also reads the dict of checkpoints written before the tensor
+        layout."""
+        if state is None:
             return
-        device = self.weight.device
-        if isinstance(state, torch.Tensor):
-            loaded, recipe = _scaling.from_tensor(state, device)
-        else:
-            recipe = state["recipe"]
-            if isinstance(recipe, dict):  # (older checkpoints hold the DelayedScaling itself)
-                recipe = DelayedScaling(**recipe)
-            loaded = _scaling.joined(state, device)
+        loaded, recipe = self._saved_state(state)
         mine = self._state()
         same = all(a.shape == b.shape and a.device == b.device for a, b in zip(mine, loaded))
         with torch.no_grad():
@@ -242,6 +237,25 @@ class Linear(nn.Linear):
             else:
                 self._keep_state(loaded)
         self._fp8_recipe = recipe
+        if recipe is None:  # (the cached FP8 weight was cast with the state just dropped)
+            self._keep_weight_cache((None, None, None))
+
+    def _saved_state(self, state) -> tuple:
+        """(state tensors on the weight's device, recipe) of a checkpoint's FP8 state: fresh
+        ones and None where it holds none. ValueError for a damaged one."""
+        device = self.weight.device
+        if isinstance(state, torch.Tensor):
+            if state.numel() == 0:
+                return _scaling.fresh(DelayedScaling(), device), None
+            return _scaling.from_tensor(state, device)
+        if not state:
+            return _scaling.fresh(DelayedScaling(), device), None
+        recipe = state["recipe"]
+        if isinstance(recipe, dict):  # (older checkpoints hold the DelayedScaling itself)
+            recipe = DelayedScaling(**recipe)
+        loaded = _scaling.joined(state, device)
+        _scaling.check_layout(loaded, recipe)
+        return loaded, recipe
 
     def _state(self) -> tuple:
         b = self._buffers  # (not nn.Module.__getattr__ four times: host time per call)
@@ -252,8 +266,11 @@ class Linear(nn.Linear):
             setattr(self, name, t)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # A plain nn.Linear checkpoint has no _extra_state: accept it.
-        state_dict.setdefault(prefix + "_extra_state", None)
+        # A plain nn.Linear checkpoint has no _extra_state: accept it. A damaged FP8 state is
+        # refused before torch copies the parameters, so the layer stays as it was.
+        saved = state_dict.setdefault(prefix + "_extra_state", None)
+        if saved is not None:
+            self._saved_state(saved)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def __getstate__(self):

@@ -115,6 +115,18 @@ def joined(state: dict, device) -> tuple:
                 f32(fwd["amax_history"].t()), f32(bwd["amax_history"].t()))
 
 
+def check_layout(state: tuple, recipe: DelayedScaling) -> None:
+    """ValueError unless `state` is (scale [3], scale_inv [3], amax_history [2, H],
+    grad_amax_history [1, H]) with H the recipe's ``amax_history_len``."""
+    length = recipe.amax_history_len
+    want = ((3,), (3,), (2, length), (1, length))
+    got = tuple(tuple(t.shape) for t in state)
+    if got != want:
+        raise ValueError(f"tpfp8.Linear FP8 state: shapes {list(got)} (scale, scale_inv, amax "
+                         f"history, gradient amax history), expected {list(want)} for the "
+                         f"recipe's amax_history_len={length}; the checkpoint is damaged")
+
+
 # A layer's FP8 state in a checkpoint: one float32 tensor (what Hugging Face's save_pretrained
 # and safetensors take; torch.load(weights_only=True) reads it too): a header -- layout
 # version, then the DelayedScaling's margin, format (0 hybrid, 1 e4m3), history length and
