@@ -442,6 +442,21 @@ def test_swap_linear_and_state_dict():
     fresh.load_state_dict(nn.Linear(32, 64).state_dict())  # plain checkpoints load
 
 
+def test_swap_linear_keeps_a_tied_layer_one_layer_and_the_training_mode():
+    """A Linear at two places (tied) becomes one tpfp8.Linear at both, with one FP8 state (it
+    became two layers sharing the parameters, each scaling alone); eval mode stays eval."""
+    torch.manual_seed(13)
+    shared = nn.Linear(32, 32)
+    model = nn.Sequential(shared, nn.GELU(), shared, nn.Linear(32, 16)).eval()
+    tpfp8.swap_linear(model)
+    assert isinstance(model[0], tpfp8.Linear) and model[0] is model[2]
+    assert model[0].name == "0" and not model[0].training and not model[3].training
+    assert len([m for m in model.modules() if isinstance(m, tpfp8.Linear)]) == 2
+    model = nn.Sequential(shared, shared)
+    tpfp8.swap_linear(model, filter_fn=lambda m, name: name != "0")  # refused at its first place
+    assert model[0] is model[1] is shared
+
+
 def test_is_an_nn_linear_and_swap_leaves_it_alone():
     lin = tpfp8.Linear(32, 16, bias=False)
     assert isinstance(lin, nn.Linear) and (lin.in_features, lin.out_features) == (32, 16)

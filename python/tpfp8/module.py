@@ -832,7 +832,9 @@ def swap_linear(model: nn.Module,
                 filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> nn.Module:
     """Replaces, in place, every ``torch.nn.Linear`` of ``model`` (for which
     ``filter_fn(module, fully_qualified_name)`` is true) by a ``tpfp8.Linear`` holding the same
-    parameters. Returns ``model`` (or the new module if ``model`` itself is an nn.Linear)."""
+    parameters, in the same training mode. A Linear that stands at several places (tied)
+    becomes one ``tpfp8.Linear`` at all of them, named and filtered by its first place. Returns
+    ``model`` (or the new module if ``model`` itself is an nn.Linear)."""
 
     def convert(lin: nn.Linear, name: str) -> Linear:
         new = Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
@@ -840,15 +842,20 @@ def swap_linear(model: nn.Module,
         new.weight = lin.weight
         new.bias = lin.bias
         new._reset_fp8_state()  # on the weight's device
-        return new
+        return new.train(lin.training)
 
     if type(model) is nn.Linear:
         return convert(model, "") if filter_fn is None or filter_fn(model, "") else model
+    done = {}  # id of a Linear -> what it became (itself where the filter refused it)
     for fqn, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
+        for child_name, child in list(module._modules.items()):  # (tied ones too)
             full = f"{fqn}.{child_name}" if fqn else child_name
-            if type(child) is nn.Linear and (filter_fn is None or filter_fn(child, full)):
-                setattr(module, child_name, convert(child, full))
+            if type(child) is not nn.Linear:
+                continue
+            if id(child) not in done:
+                wanted = filter_fn is None or filter_fn(child, full)
+                done[id(child)] = convert(child, full) if wanted else child
+            setattr(module, child_name, done[id(child)])
     return model
 
 
