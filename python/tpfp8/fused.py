@@ -344,7 +344,11 @@ def swap_fused(model: nn.Module) -> nn.Module:
     Modules shared between places in the tree, untraceable ``forward``s (data-dependent
     control flow) and a norm feeding several projections (q, k and v) are left as they are;
     convert the remaining ``nn.Linear`` layers with :func:`tpfp8.swap_linear`. The new modules
-    hold the same parameters. Returns ``model``."""
+    hold the same parameters, so the state dict changes names: the norm's ``weight`` / ``bias``
+    move under the Linear's name as ``layer_norm_weight`` / ``layer_norm_bias`` (as in
+    TransformerEngine's modules). Load a plain model's checkpoint before fusing, and save the
+    fused model's to load into a fused one: ``load_state_dict(..., strict=False)`` across the
+    two would leave the norms unloaded. Returns ``model``."""
     shared = _shared_modules(model)
     for seq in [m for m in model.modules() if isinstance(m, nn.Sequential)]:
         names = list(seq._modules)
