@@ -72,10 +72,31 @@ def layer(seed=0):
     ([{"layers": "fc", "freq": 0, "features": {}}], "freq"),
     ([{"features": {}}], "'layers'"),
     ({"rule": []}, "list of rules"),
+    # each below was taken, and showed later (a TypeError in a layer's forward) or never
+    ([{"layers": "fc", "features": {"log_stats": {"tensor": ["weight"]}}}], "unknown setting"),
+    ([{"layers": "fc", "freqq": 5, "features": {}}], r"unknown key\(s\) \['freqq'\]"),
+    ([{"layers": "fc", "end_step": "5", "features": {}}], "end_step must be an int"),
+    ([{"layers": "fc", "freq": 2.5, "features": {}}], "freq must be an int"),
+    ([{"layers": "fc", "start_step": 5, "end_step": 2, "features": {}}], "never apply"),
+    ([{"layers": "fc", "features": {"log_stats": {"tensors": ["weight"], "gemms": ["wgrad"]}}}],
+     "logs nothing"),
+    ([{"layers": "fc", "features": ["log_stats"]}], "'features' is a dict"),
+    ([{"layers": "fc", "features": {"log_stats": ["weight"]}}], "settings of log_stats"),
 ])
 def test_bad_configs_fail_at_initialize(config, message):
     with pytest.raises(ValueError, match=message):
         tpfp8.debug.initialize(config)
+
+
+def test_a_log_dir_that_cannot_be_made_leaves_the_rules_as_they_were(tmp_path):
+    x, dy = torch.randn(16, 32), torch.randn(16, 48)
+    tpfp8.debug.initialize([{"layers": "fc1", "features": {"log_stats": {}}}])
+    (tmp_path / "taken").write_text("a file, not a folder")
+    with pytest.raises(FileExistsError):
+        tpfp8.debug.initialize([{"layers": "fc1", "features": {"disable_fp8_gemm": {
+            "gemms": ["fprop"]}}}], log_dir=str(tmp_path / "taken"))
+    run(layer(), x, dy)
+    assert len(tpfp8.debug.records()) == 6  # the first config's rule, still active
 
 
 def test_no_matching_rule_is_the_normal_path():

@@ -87,32 +87,71 @@ def _names(value, allowed, what, where):
     return values
 
 
+# What each GEMM reads: log_stats pairs outside these never log anything.
+CONSUMED = {"fprop": ("activation", "weight"), "dgrad": ("gradient", "weight"),
+            "wgrad": ("gradient", "activation")}
+# The keys a rule and each feature's spec may hold.
+_RULE_KEYS = ("layers", "start_step", "end_step", "freq", "features")
+_SPEC_KEYS = {"log_stats": ("tensors", "gemms"), "disable_fp8_gemm": ("gemms",),
+              "fake_quant": ("tensors", "format")}
+
+
+def _known(keys, allowed, what, where):
+    unknown = sorted(set(keys) - set(allowed))
+    if unknown:
+        raise ValueError(f"{where}: unknown {what} {unknown}; the keys are {list(allowed)}")
+
+
+def _step_number(raw: dict, key: str, default, least: int, where: str):
+    value = raw.get(key, default)
+    if value is None and default is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ValueError(f"{where}: {key} must be an int >= {least}, got {value!r}")
+    return value
+
+
 def _parse_rule(raw: dict, i: int) -> Rule:
     where = f"debug rule {i}"
     if not isinstance(raw, dict) or "layers" not in raw or "features" not in raw:
         raise ValueError(f"{where}: a rule is a dict with 'layers' (a regex) and 'features'")
+    _known(raw, _RULE_KEYS, "key(s)", where)
     try:
         pattern = re.compile(raw["layers"])
-    except re.error as e:
+    except (re.error, TypeError) as e:
         raise ValueError(f"{where}: 'layers' is not a valid regex ({e})") from None
-    rule = Rule(pattern, int(raw.get("start_step", 0)), raw.get("end_step"),
-                int(raw.get("freq", 1)))
-    if rule.freq < 1:
-        raise ValueError(f"{where}: freq must be >= 1, got {rule.freq}")
+    rule = Rule(pattern, _step_number(raw, "start_step", 0, 0, where),
+                _step_number(raw, "end_step", None, 0, where),
+                _step_number(raw, "freq", 1, 1, where))
+    if rule.end_step is not None and rule.end_step < rule.start_step:
+        raise ValueError(f"{where}: end_step {rule.end_step} is before start_step "
+                         f"{rule.start_step}: the rule would never apply")
+    if not isinstance(raw["features"], dict):
+        raise ValueError(f"{where}: 'features' is a dict of feature name -> its settings, got "
+                         f"{type(raw['features']).__name__}")
     for name, spec in raw["features"].items():
         spec = spec or {}
+        if name not in FEATURES:
+            raise ValueError(f"{where}: unknown feature {name!r}; features are {list(FEATURES)}")
+        if not isinstance(spec, dict):
+            raise ValueError(f"{where}: the settings of {name} are a dict, got "
+                             f"{type(spec).__name__}")
+        _known(spec, _SPEC_KEYS[name], f"setting(s) of {name}", where)
         if name == "log_stats":
             tensors = _names(spec.get("tensors", TENSORS), TENSORS, "tensors", where)
             gemms = _names(spec.get("gemms", GEMMS), GEMMS, "gemms", where)
-            rule.log |= {(t, g) for t in tensors for g in gemms}
+            pairs = {(t, g) for t in tensors for g in gemms if t in CONSUMED[g]}
+            if not pairs:
+                raise ValueError(f"{where}: log_stats of {tensors} in {gemms} logs nothing: "
+                                 f"fprop reads the activation and weight, dgrad the gradient "
+                                 f"and weight, wgrad the gradient and activation")
+            rule.log |= pairs
         elif name == "disable_fp8_gemm":
             rule.high_precision |= set(_names(spec.get("gemms"), GEMMS, "gemms", where))
         elif name == "fake_quant":
             fmt = Fp8Format.parse(spec.get("format", "e4m3"))
             for t in _names(spec.get("tensors"), TENSORS, "tensors", where):
                 rule.fake[t] = fmt
-        else:
-            raise ValueError(f"{where}: unknown feature {name!r}; features are {list(FEATURES)}")
     return rule
 
 
@@ -138,11 +177,12 @@ def initialize(config, log_dir: Optional[str] = None) -> None:
     rules = raw.get("rules") if isinstance(raw, dict) else raw
     if not isinstance(rules, list):
         raise ValueError("a debug config is a list of rules, or a dict with 'rules': [...]")
-    _State.rules = [_parse_rule(r, i) for i, r in enumerate(rules)]
+    parsed = [_parse_rule(r, i) for i, r in enumerate(rules)]
+    if log_dir:  # (before anything changes: a log_dir that cannot be made leaves the old rules)
+        os.makedirs(log_dir, exist_ok=True)
+    _State.rules = parsed
     _State.step, _State.log_dir, _State.records = 0, log_dir, []
     _work_out_options()
-    if log_dir:
-        os.makedirs(log_dir, exist_ok=True)
 
 
 def step() -> None:
