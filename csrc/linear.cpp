@@ -249,6 +249,10 @@ Prepared prepare_grad(const at::Tensor& dy, const LinearConfig& c, const Quantiz
   if (!c.fp8()) return {gather ? all_gather_rows(dy, *c.tp_group) : dy, {}};
   OptTensor sum;
   if (db) sum = *db = at::empty({dy.size(1)}, dy.options().dtype(at::kFloat));
+  if (!need_dgrad && !need_wgrad) {  // the bias's gradient alone (a frozen weight: BitFit)
+    if (sum) column_sum(dy, *sum);   // (this rank's rows, as the casts below sum them)
+    return {dy, {}};
+  }
   if (!gather) return {dy, q->quantize(dy, need_dgrad, need_wgrad, nullptr, {}, sum)};
   if (q->quantizes_after_gather()) {
     // The gathered tensor's cast would sum every rank's rows; this rank's rows alone, by the

@@ -476,7 +476,10 @@ def test_mlp_state_dict_round_trip_keeps_fp8_state(cls):
 
 @pytest.mark.parametrize("bad, message", [
     (lambda: tpfp8.LayerNormLinear(32, 16, normalization="BatchNorm"), "normalization must be"),
-    (lambda: tpfp8.LayerNormLinear(32, 16, eps=-1.0), "eps must be >= 0"),
+    (lambda: tpfp8.LayerNormLinear(32, 16, eps=-1.0), "eps must be a finite number >= 0"),
+    (lambda: tpfp8.LayerNormLinear(32, 16, eps=float("nan")), "eps must be a finite number"),
+    (lambda: tpfp8.RMSNormLinear(32, 16, eps=float("inf")), "eps must be a finite number"),
+    (lambda: tpfp8.LayerNormMLP(32, 64, eps="1e-5"), "eps must be a finite number"),
     (lambda: tpfp8.RMSNormLinear(32, 16, normalization="LayerNorm"), "RMSNorm"),
     (lambda: tpfp8.LayerNormMLP(32, 64, activation="relu"), "activation must be"),
     (lambda: tpfp8.MLP(32, 64, activation="relu"), "activation must be"),
@@ -484,6 +487,57 @@ def test_mlp_state_dict_round_trip_keeps_fp8_state(cls):
 def test_bad_settings_are_value_errors(bad, message):
     with pytest.raises(ValueError, match=message):
         bad()
+
+
+@pytest.mark.parametrize("make, name, value", [
+    (lambda: tpfp8.LayerNormLinear(32, 16), "normalization", "RMSNorm"),
+    (lambda: tpfp8.ActivationLinear(32, 16), "activation", "swiglu")])
+def test_the_norm_and_the_activation_are_fixed_after_construction(make, name, value):
+    """Set afterwards they changed the repr and nothing else: refused, as in_features is."""
+    layer = make()
+    with pytest.raises(AttributeError, match=f"{name} is fixed"):
+        setattr(layer, name, value)
+    setattr(layer, name, getattr(layer, name))  # the same value is fine
+    layer.eps = 1e-3 if name == "normalization" else None  # (read at every call: settable)
+
+
+@pytest.mark.parametrize("cls", [tpfp8.MLP, tpfp8.LayerNormMLP])
+@pytest.mark.parametrize("layer", ["fc1", "fc2"])
+def test_return_bias_on_an_mlp_layer_is_refused(cls, layer):
+    """The op adds both biases itself: with return_bias set on fc1 or fc2 the bias was dropped
+    and the output silently wrong."""
+    mlp = cls(32, 64)
+    getattr(mlp, layer).return_bias = True
+    with pytest.raises(ValueError, match="set return_bias=False on fc1 and fc2"):
+        mlp(torch.randn(4, 32))
+    getattr(mlp, layer).return_bias = False
+    mlp(torch.randn(4, 32))
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+@pytest.mark.parametrize("cls", [tpfp8.Linear, tpfp8.LayerNormLinear, tpfp8.ActivationLinear,
+                                 tpfp8.MLP, tpfp8.LayerNormMLP])
+def test_a_bias_that_alone_needs_a_gradient_gets_it_in_fp8(cls, recipe):
+    """Frozen weights (and norm), an input needing no gradient, a trainable bias (BitFit; the
+    first layer of such a model): FP8's backward asked the gradient's cast for no output and
+    raised. The first layer's bias gets the gradient it gets with the weight trainable."""
+    def bias_grads(freeze):
+        torch.manual_seed(0)
+        module = cls(32, 32)
+        for name, p in module.named_parameters():
+            p.requires_grad_(not freeze or name.endswith("bias") and "layer_norm" not in name)
+        with tpfp8.fp8_autocast(recipe=RECIPES[recipe]):
+            y = module(torch.randn(16, 32))
+        y.backward(torch.randn_like(y))
+        return {n: p.grad for n, p in module.named_parameters() if n.endswith("bias") and
+                "layer_norm" not in n}
+    frozen, trained = bias_grads(True), bias_grads(False)
+    assert frozen.keys() == trained.keys() and frozen
+    for name in frozen:
+        assert torch.isfinite(frozen[name]).all()
+        assert torch.allclose(frozen[name], trained[name], rtol=0.05, atol=0.05), name
+    last = "fc2.bias" if "fc2.bias" in frozen else "bias"
+    assert torch.equal(frozen[last], trained[last])  # (the same dy, summed by the same kernel)
 
 
 def test_row_parallel_norm_is_refused():

@@ -382,10 +382,27 @@ def test_other_format_rescales_the_gradient_scale():
 
 # ---- 7. recipe values, the meta device ----------------------------------------------
 
-@pytest.mark.parametrize("eps", [float("inf"), float("nan"), -1.0])
+@pytest.mark.parametrize("eps", [float("inf"), float("nan"), -1.0, None, "0", True])
 def test_current_scaling_refuses_an_unusable_epsilon(eps):
     with pytest.raises(ValueError, match="amax_epsilon must be a finite number"):
         tpfp8.CurrentScaling(amax_epsilon=eps)
+
+
+@pytest.mark.parametrize("field, value", [("amax_history_len", True), ("margin", False),
+                                          ("amax_history_len", 16.0), ("margin", "1")])
+def test_delayed_scaling_takes_ints_not_bools(field, value):
+    """True is an int to Python (a history of 1), not a length to a user: refused."""
+    with pytest.raises(ValueError, match=f"{field} must be"):
+        tpfp8.DelayedScaling(**{field: value})
+
+
+def test_an_amax_group_that_is_no_process_group_is_refused_on_entry():
+    """It was found at the block's exit, after the forwards, as an AttributeError."""
+    layer = tpfp8.Linear(16, 16)
+    with pytest.raises(TypeError, match="amax_group must be a torch.distributed ProcessGroup"):
+        with tpfp8.fp8_autocast(amax_group="tp"):
+            layer(torch.randn(2, 16))
+    assert layer.fp8_state is None
 
 
 @pytest.mark.parametrize("fp8", [False, True])

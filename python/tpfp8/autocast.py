@@ -61,6 +61,9 @@ def fp8_autocast(enabled: bool = True, recipe=None, amax_group=None):
     """
     if recipe is None:
         recipe = DelayedScaling()
+    if amax_group is not None and not _is_group(amax_group):
+        raise TypeError(f"amax_group must be a torch.distributed ProcessGroup (the group the "
+                        f"amaxes are reduced over) or None, got {type(amax_group).__name__}")
     # (Anything not a recipe is refused: by the frame's recipe_codes, or here when disabled.)
     entered = frame(recipe, amax_group) if enabled else None
     if entered is None:
@@ -72,6 +75,14 @@ def fp8_autocast(enabled: bool = True, recipe=None, amax_group=None):
         _stack().pop()
         if entered is not None:
             _scaling.update(entered["ran"].values())
+
+
+def _is_group(value) -> bool:
+    """A process group, or what ``dist.new_group`` gives a rank outside it (refused later, by
+    the layer, as a group that misses its tensor-parallel ranks)."""
+    dist = torch.distributed
+    return dist.is_available() and (isinstance(value, dist.ProcessGroup) or (
+        type(value) is int and value == dist.GroupMember.NON_GROUP_MEMBER))
 
 
 def checkpoint(function, *args, **kwargs):

@@ -7,6 +7,7 @@ parallelism, debugging, checkpointing and torch.compile work as for ``tpfp8.Line
 import collections
 import copy
 import functools
+import math
 from typing import Optional
 
 import torch
@@ -91,6 +92,8 @@ class LayerNormLinear(_GatedShards, Linear):
     (``tpfp8._C.NORM_HIDDEN_ALIGN``, ``NORM_MAX_HIDDEN``); other widths raise ``ValueError``.
     """
 
+    _fixed_after_init = Linear._fixed_after_init | {"normalization"}
+
     def __init__(self, in_features: int, out_features: int, eps: float = 1e-5,
                  bias: bool = True, normalization: str = "LayerNorm",
                  return_layernorm_output: bool = False, device=None, dtype=None, **kwargs):
@@ -98,8 +101,9 @@ class LayerNormLinear(_GatedShards, Linear):
         if kwargs.get("parallel_mode") == "row":
             raise ValueError("LayerNormLinear cannot be row-parallel: its norm needs every "
                              "feature of the input; use parallel_mode='column' or None")
-        if eps < 0:
-            raise ValueError(f"eps must be >= 0, got {eps}")
+        if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and
+                0 <= eps < math.inf):
+            raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
         if (error := _norm_width_error(in_features)) is not None:
             raise ValueError(error)
         super().__init__(in_features, out_features, bias, device, dtype, **kwargs)
@@ -169,6 +173,8 @@ class ActivationLinear(Linear):
     ``h`` is ``2 * in_features`` wide) and then the Linear, the activation written straight to
     FP8 inside ``fp8_autocast``. LayerNormMLP's fc2; keyword arguments as ``tpfp8.Linear``."""
 
+    _fixed_after_init = Linear._fixed_after_init | {"activation"}
+
     def __init__(self, in_features: int, out_features: int, activation: str = "gelu",
                  bias: bool = True, device=None, dtype=None, **kwargs):
         self._activation_code = _choice(activation, _ACTIVATIONS, "activation")
@@ -235,6 +241,10 @@ class _TwoLayers(nn.Module):
         and its column sums (fc1's bias gradient), in its own pass, with fc1's gradient scale
         (not when debugging). The submodules' own forward hooks do not run here."""
         fc1, fc2 = self.fc1, self.fc2
+        if fc1.return_bias or fc2.return_bias:  # (the op adds both biases itself)
+            raise ValueError(f"{type(self).__name__} adds fc1's bias before the activation and "
+                             f"returns fc2's output alone: set return_bias=False on fc1 and "
+                             f"fc2 (fc2's bias can be left out with bias=False and added after)")
         first = fc1._begin(x, is_first_microbatch)
         second = fc2._begin(first.x, is_first_microbatch, input_needs_grad=first.gives_grad())
         y, normalized = _run_op(first.vet or second.vet, first.compiling, _MLP, first.x,

@@ -42,8 +42,13 @@ class Linear(nn.Linear):
         save_original_input: keep the high-precision input for backward and re-quantize it
             there (not with delayed scaling), instead of the 1-byte column-wise FP8 copy.
         fuse_wgrad_accumulation: write the weight gradient into ``weight.main_grad`` (fp32,
-            allocated if missing) instead of ``weight.grad``: overwritten when
-            ``is_first_microbatch=True``, accumulated otherwise.
+            allocated if missing) instead of ``weight.grad``: overwritten by the backward of an
+            ``is_first_microbatch=True`` call, accumulated by the others. Run each
+            micro-batch's backward before the next micro-batch's (as gradient accumulation
+            and pipeline schedules do): one backward through several micro-batches' outputs
+            runs their backwards last first, so the first one's overwrite would drop the
+            others' gradients; there, pass ``is_first_microbatch=None`` and zero
+            ``main_grad`` yourself.
         return_bias: return ``(y_without_bias, bias)`` so the caller can fuse the bias later.
         name: a label for debugging tools.
         parallel_mode: None, ``"column"`` (``Y = X [A_1 .. A_p]``: this rank holds
@@ -59,6 +64,10 @@ class Linear(nn.Linear):
     Shapes: input ``[..., in_features]`` (fp32, bf16 or fp16) -> ``[..., out_features]``
     (per-rank sizes under tensor parallelism).
     """
+
+    # Settings that make the parameters (and their split): refused once the layer is built.
+    _fixed_after_init = frozenset(
+        ("in_features", "out_features", "parallel_mode", "tp_group", "sequence_parallel"))
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  dtype=None, *, save_original_input: bool = False,
@@ -321,9 +330,11 @@ class Linear(nn.Linear):
 
     def __setattr__(self, name, value):
         # The tensor-parallel layout fixes the parameters' shapes: changing it needs a new layer.
-        if name in _FIXED_AFTER_INIT and name in self.__dict__ and value != self.__dict__[name]:
-            raise AttributeError(f"Linear.{name} is fixed when the layer is built (it sets the "
-                                 f"parameters' shapes and split); build a new tpfp8.Linear")
+        if name in self._fixed_after_init and name in self.__dict__ and \
+                value != self.__dict__[name]:
+            kind = type(self).__name__
+            raise AttributeError(f"{kind}.{name} is fixed when the layer is built (it sets the "
+                                 f"parameters and their split); build a new tpfp8.{kind}")
         super().__setattr__(name, value)
         if name == "_fp8_recipe":
             super().__setattr__("_fp8_recipe_key", _scaling.recipe_key(value))
@@ -727,10 +738,6 @@ _STATE = ("fp8_scale", "fp8_scale_inv", "fp8_amax_history", "fp8_grad_amax_histo
 _FP32_STATE = _STATE + ("fp8_scale_prev", "_fp8_weight_scale_inv")
 
 # Set in __init__ and fixed after: they decide the parameters' shapes and split.
-_FIXED_AFTER_INIT = frozenset(
-    ("in_features", "out_features", "parallel_mode", "tp_group", "sequence_parallel"))
-
-
 class LinearConfig(NamedTuple):
     """A layer's configuration as its ops take it: one frozen value, made when the layer is
     built and made again when a setting that may change between steps is set (torch.compile

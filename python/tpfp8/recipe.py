@@ -13,6 +13,15 @@ def _check_format(fp8_format: str) -> None:
                          f"'e4m3' (E4M3 everywhere), got {fp8_format!r}")
 
 
+def _is_int(value) -> bool:
+    """An int and not a bool (True is an int to Python, not a count to a user)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class DelayedScaling:
     """Scale from the amax history of earlier steps: ``scale = fp8_max * 2**-margin / amax``,
@@ -28,9 +37,9 @@ class DelayedScaling:
 
     def __post_init__(self):
         _check_format(self.fp8_format)
-        if not isinstance(self.margin, int) or not -100 <= self.margin <= 100:
+        if not _is_int(self.margin) or not -100 <= self.margin <= 100:
             raise ValueError(f"margin must be an int in [-100, 100], got {self.margin!r}")
-        if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
+        if not _is_int(self.amax_history_len) or self.amax_history_len < 1:
             raise ValueError(f"amax_history_len must be a positive int, got "
                              f"{self.amax_history_len!r}")
         if self.amax_compute_algo not in ("max", "most_recent"):
@@ -53,7 +62,8 @@ class CurrentScaling:
 
     def __post_init__(self):
         _check_format(self.fp8_format)
-        if not 0.0 <= self.amax_epsilon < math.inf:  # inf would make every scale 0
+        if not (_is_number(self.amax_epsilon) and 0.0 <= self.amax_epsilon < math.inf):
+            # (inf would make every scale 0)
             raise ValueError(f"amax_epsilon must be a finite number >= 0 (the smallest amax "
                              f"a scale is computed from), got {self.amax_epsilon!r}")
 
