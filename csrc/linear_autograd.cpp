@@ -383,7 +383,7 @@ struct MlpAutograd : torch::autograd::Function<MlpAutograd> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s1 = saved_layer(ctx, "fc1"), s2 = saved_layer(ctx, "fc2");
     TORCH_CHECK(!at::GradMode::is_enabled(),
-                "tpfp8.LayerNormMLP does not support double backward (create_graph=True)");
+                "tpfp8.MLP and LayerNormMLP do not support double backward (create_graph=True)");
     const auto saved = ctx->get_saved_variables();
     variable_list out(kInputs);
     Handoff give;

@@ -540,6 +540,15 @@ def test_a_bias_that_alone_needs_a_gradient_gets_it_in_fp8(cls, recipe):
     assert torch.equal(frozen[last], trained[last])  # (the same dy, summed by the same kernel)
 
 
+@pytest.mark.parametrize("cls", [tpfp8.MLP, tpfp8.LayerNormMLP])
+def test_double_backward_of_an_mlp_is_refused_by_its_name(cls):
+    mlp = cls(32, 64)
+    x = torch.randn(4, 32, requires_grad=True)
+    y = mlp(x)
+    with pytest.raises(RuntimeError, match="MLP and LayerNormMLP do not support double backward"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
+
+
 def test_row_parallel_norm_is_refused():
     with pytest.raises(ValueError, match="row-parallel"):
         tpfp8.LayerNormLinear(32, 16, parallel_mode="row", tp_group=object())
