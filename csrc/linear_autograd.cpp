@@ -398,8 +398,10 @@ struct MlpAutograd : torch::autograd::Function<MlpAutograd> {
     BackwardOutputs g1;
     if (give.rowwise || give.columnwise) {
       Handoff take;
-      take.dy_rowwise = std::get<5>(g2);
-      take.dy_columnwise = std::get<6>(g2);
+      // (only what was given: an output not asked for is an empty placeholder, whose 0 rows
+      // would be taken for the gradient's, and fc1's weight gradient came out zero)
+      if (give.rowwise) take.dy_rowwise = std::get<5>(g2);
+      if (give.columnwise) take.dy_columnwise = std::get<6>(g2);
       take.dy_scale_inv = std::get<7>(g2);
       if (s1->need_db) take.dy_dbias = std::get<8>(g2);
       // (dy itself is FP8 here: an empty tensor says where and in what dtype)

@@ -549,6 +549,30 @@ def test_double_backward_of_an_mlp_is_refused_by_its_name(cls):
         torch.autograd.grad(y.sum(), x, create_graph=True)
 
 
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("cls", [tpfp8.MLP, tpfp8.LayerNormMLP])
+def test_fc1_weight_gradient_without_an_input_gradient(cls, activation, recipe):
+    """An input needing no gradient (the first layer; a LayerNormMLP's norm frozen): fc2 hands
+    fc1 its gradient column-wise only, and fc1 took the row-wise placeholder's 0 rows for the
+    gradient's, so its weight gradient came out zero, silently. It is the same as with the
+    input's gradient asked for."""
+    def grads(x_needs_grad):
+        torch.manual_seed(0)
+        mlp = cls(32, 64, activation=activation)
+        for name, p in mlp.named_parameters():
+            p.requires_grad_("layer_norm" not in name)
+        x = torch.randn(16, 32, requires_grad=x_needs_grad)
+        with tpfp8.fp8_autocast(recipe=RECIPES[recipe]):
+            y = mlp(x)
+        y.backward(torch.randn_like(y))
+        return {n: p.grad for n, p in mlp.named_parameters() if p.requires_grad}
+    without, with_dx = grads(False), grads(True)
+    assert without["fc1.weight"].abs().sum() > 0
+    for name in without:
+        assert torch.equal(without[name], with_dx[name]), name
+
+
 def test_row_parallel_norm_is_refused():
     with pytest.raises(ValueError, match="row-parallel"):
         tpfp8.LayerNormLinear(32, 16, parallel_mode="row", tp_group=object())
