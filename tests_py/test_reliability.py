@@ -194,12 +194,14 @@ def test_an_mlp_whose_fc2_cannot_run_in_fp8_is_refused_before_fc1_casts():
 def test_a_strided_bias_works_as_in_nn_linear(device, fp8):
     """A bias that is a view of a larger tensor (a slice of a packed parameter), which
     nn.Linear takes: the result of a contiguous copy, where it was refused after the casts."""
-    x, dy = torch.randn(8, 32, device=device), torch.randn(8, 16, device=device)
+    # (bf16: an FP8 GEMM writing bf16 takes the bias in its epilogue, the path that refused it)
+    bf16 = {"device": device, "dtype": torch.bfloat16}
+    x, dy = torch.randn(8, 32, **bf16), torch.randn(8, 16, **bf16)
     runs = []
     for strided in (False, True):
         torch.manual_seed(0)
-        lin = tpfp8.Linear(32, 16, device=device)
-        packed = torch.randn(16, 2, device=device)
+        lin = tpfp8.Linear(32, 16, **bf16)
+        packed = torch.randn(16, 2, **bf16)
         lin.bias = nn.Parameter(packed[:, 0] if strided else packed[:, 0].contiguous())
         with tpfp8.fp8_autocast(enabled=fp8):
             y = lin(x)
@@ -386,6 +388,14 @@ def test_other_format_rescales_the_gradient_scale():
 def test_current_scaling_refuses_an_unusable_epsilon(eps):
     with pytest.raises(ValueError, match="amax_epsilon must be a finite number"):
         tpfp8.CurrentScaling(amax_epsilon=eps)
+
+
+def test_numpy_numbers_are_numbers():
+    np = pytest.importorskip("numpy")
+    assert tpfp8.CurrentScaling(amax_epsilon=np.float32(1e-6)).amax_epsilon > 0
+    layer = tpfp8.LayerNormLinear(32, 16, eps=np.float32(1e-5))
+    with tpfp8.fp8_autocast(recipe=tpfp8.CurrentScaling(amax_epsilon=np.float64(1e-6))):
+        assert torch.isfinite(layer(torch.randn(4, 32))).all()
 
 
 @pytest.mark.parametrize("field, value", [("amax_history_len", True), ("margin", False),

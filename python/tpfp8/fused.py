@@ -8,6 +8,7 @@ import collections
 import copy
 import functools
 import math
+import numbers
 from typing import Optional
 
 import torch
@@ -101,7 +102,7 @@ class LayerNormLinear(_GatedShards, Linear):
         if kwargs.get("parallel_mode") == "row":
             raise ValueError("LayerNormLinear cannot be row-parallel: its norm needs every "
                              "feature of the input; use parallel_mode='column' or None")
-        if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and
+        if not (isinstance(eps, numbers.Real) and not isinstance(eps, bool) and
                 0 <= eps < math.inf):
             raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
         if (error := _norm_width_error(in_features)) is not None:

@@ -1,5 +1,6 @@
 """FP8 recipes: how scales are chosen. One frozen object per choice, validated on creation."""
 import math
+import numbers
 from dataclasses import dataclass
 
 from .formats import Fp8Format
@@ -19,7 +20,8 @@ def _is_int(value) -> bool:
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real number (NumPy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
