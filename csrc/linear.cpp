@@ -179,6 +179,10 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, const OptTensor
         weight.device(), ", got ", main_grad->is_contiguous() ? "" : "a non-contiguous ",
         main_grad->scalar_type(), " ", main_grad->sizes(), " on ", main_grad->device());
   }
+  TORCH_CHECK_VALUE(!c.sequence_parallel || x.dim() >= 2,
+                    "sequence parallelism splits the input's dim 0 (the sequence) over the group: "
+                    "it needs [sequence, ..., features], got shape ",
+                    x.sizes());
   if (row && c.sequence_parallel) {
     const int64_t tp = c.tp_group->getSize();
     TORCH_CHECK_VALUE(x.size(0) % tp == 0, "sequence length (dim 0)=", x.size(0),

@@ -457,6 +457,33 @@ def test_swap_linear_keeps_a_tied_layer_one_layer_and_the_training_mode():
     assert model[0] is model[1] is shared
 
 
+@pytest.mark.parametrize("state, message", [
+    ({"weight": torch.ones(32), "bias": torch.ones(1)}, r"weight has shape \(32,\)"),
+    ({"weight": torch.ones(48, 32), "bias": torch.ones(47)}, r"bias has shape \(47,\)"),
+    ({"weight": torch.ones(48, 32)}, "the layer has a bias, the state none"),
+    ({"weight": torch.ones(48, 32), "bias": torch.ones(48), "layer_norm_weight": torch.ones(31)},
+     "layer_norm_weight has shape"),
+])
+def test_load_full_state_dict_checks_every_shape_before_copying(state, message):
+    """A wrong shape was broadcast into the parameter, or failed after the weight was copied;
+    a missing bias kept the old one."""
+    layer = tpfp8.LayerNormLinear(32, 48)
+    before = {k: t.clone() for k, t in layer.state_dict().items()}
+    with pytest.raises(ValueError, match=message):
+        layer.load_full_state_dict(state)
+    assert all(torch.equal(t, before[k]) for k, t in layer.state_dict().items())
+    layer.load_full_state_dict(layer.full_state_dict())  # (its own round trip)
+
+
+def test_sequence_helpers_without_a_group_return_their_input():
+    """group=None is no tensor parallelism for every helper (split_sequence's was; gathering
+    called the default group's collective)."""
+    x = torch.randn(4, 3)
+    for gathered in (tpfp8.parallel.gather_sequence(x, None), tpfp8.parallel.unshard(x, 0, None),
+                     tpfp8.parallel.split_sequence(x, None)):
+        assert torch.equal(gathered, x)
+
+
 def test_is_an_nn_linear_and_swap_leaves_it_alone():
     lin = tpfp8.Linear(32, 16, bias=False)
     assert isinstance(lin, nn.Linear) and (lin.in_features, lin.out_features) == (32, 16)

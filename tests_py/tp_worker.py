@@ -279,6 +279,37 @@ def check_errors(group):
             raise AssertionError(f"no error for a case expecting '{message}'")
 
 
+def check_parallel_arguments_refused(group):
+    """Refused with a clear error on every rank, before any collective (each was accepted and
+    failed later: an AttributeError, a negative size, a shape mismatch differing by rank, or a
+    wrong shape returned): a tp_group that is no process group, one this rank is not in, a
+    SwiGLU MLP whose hidden size the group does not divide in each half, a 1-D input under
+    sequence parallelism."""
+    global checks
+    tp = dist.get_world_size()
+    first_only = dist.new_group([0])  # (every rank takes part in making it)
+    cases = [(lambda: tpfp8.Linear(K, N, parallel_mode="column", tp_group=[0]), TypeError,
+              "must be a torch.distributed ProcessGroup"),
+             (lambda: tpfp8.Linear(K, N, parallel_mode="column", tp_group=group,
+                                   sequence_parallel=True, device=DEVICE)(
+                 torch.randn(K, device=DEVICE)), ValueError, "needs [sequence, ..., features]")]
+    if dist.get_rank() != 0:
+        cases.append((lambda: tpfp8.Linear(K, N, parallel_mode="row", tp_group=first_only),
+                      ValueError, "is not in the group"))
+    if tp > 1:
+        ffn = 2 * tp + 1  # (no half divisible by the group; at tp 2, 2 * ffn is)
+        cases.append((lambda: tpfp8.MLP(K, ffn, activation="swiglu", set_parallel_mode=True,
+                                        tp_group=group), ValueError, "ffn_hidden_size"))
+    for make, kind, message in cases:
+        try:
+            make()
+        except kind as e:
+            assert message in str(e), f"unclear error: {e}"
+            checks += 1
+        else:
+            raise AssertionError(f"no error for a case expecting '{message}'")
+
+
 def check_double_backward_refused(group):
     """A tensor-parallel layer refuses double backward clearly on every rank (its collectives
     are not differentiable), before any collective of the backward runs."""
@@ -799,6 +830,7 @@ def _cases():
         check_debug_keeps_bias_grad,
         check_debug_disable_fp8_gemm, check_deepcopy, check_checkpoint, check_nan_step,
         check_sharded_records_identical, check_double_backward_refused,
+        check_parallel_arguments_refused,
         check_ops_with_a_group, check_compiled_matches_eager, check_fused_mlp_matches_single_rank,
         check_norm_linear_matches_single_rank, check_ddp_casts_with_rank0_state)]
     recipes = [None, tpfp8.DelayedScaling(amax_history_len=4), tpfp8.CurrentScaling()]

@@ -16,7 +16,8 @@ import torch.fx
 from torch import nn
 
 from . import _C
-from .module import _MLP, Linear, _parameter, _run_op
+from . import parallel as _parallel
+from .module import _MLP, Linear, _check_full_shape, _parameter, _run_op
 
 _NORMS = {"LayerNorm": int(_C.Prologue.LAYER_NORM), "RMSNorm": int(_C.Prologue.RMS_NORM)}
 _ACTIVATIONS = {"gelu": int(_C.Prologue.GELU), "swiglu": int(_C.Prologue.SWIGLU)}
@@ -43,9 +44,14 @@ class _GatedShards:
     (keyword ``_gated``): each rank holds its slices of both halves, ``[gate_r | up_r]``, so
     that its SwiGLU pairs them."""
 
-    def __init__(self, *args, _gated: bool = False, **kwargs):
+    def __init__(self, in_features, out_features, *args, _gated: bool = False, **kwargs):
         self._gated = _gated  # (before the Linear's __init__, which shards the parameters)
-        super().__init__(*args, **kwargs)
+        group = kwargs.get("tp_group")
+        if _gated and kwargs.get("parallel_mode") == "column" and group is not None:
+            _parallel.check_group(group)
+            _parallel.check_divisible(out_features // 2, group, "ffn_hidden_size (each of "
+                                      "SwiGLU's gate and up)", "choose a size the group divides")
+        super().__init__(in_features, out_features, *args, **kwargs)
 
     def _shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
         shard = super()._shard
@@ -127,13 +133,16 @@ class LayerNormLinear(_GatedShards, Linear):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, normalization={self.normalization}, eps={self.eps}"
 
-    @torch.no_grad()
-    def load_full_state_dict(self, state: dict) -> None:
-        """As ``tpfp8.Linear``'s, plus ``layer_norm_weight`` / ``layer_norm_bias`` (replicated)."""
-        super().load_full_state_dict(state)
+    def _full_parts(self, state: dict) -> list:
+        """As ``tpfp8.Linear``'s, plus ``layer_norm_weight`` / ``layer_norm_bias`` (replicated;
+        optional: ``reset_parameters`` sets them itself)."""
+        parts = super()._full_parts(state)
         for name in ("layer_norm_weight", "layer_norm_bias"):
-            if getattr(self, name, None) is not None and state.get(name) is not None:
-                getattr(self, name).copy_(state[name])
+            param, given = getattr(self, name, None), state.get(name)
+            if param is not None and given is not None:
+                _check_full_shape(name, given, tuple(param.shape))
+                parts.append((param, given))
+        return parts
 
     @torch.no_grad()
     def full_state_dict(self) -> dict:

@@ -150,6 +150,7 @@ class Linear(nn.Linear):
         if group is None:
             raise ValueError(f"parallel_mode={mode!r} needs tp_group (a torch.distributed "
                              f"process group); initialise torch.distributed first")
+        _parallel.check_group(group)
         features = out_features if mode == "column" else in_features
         what = "out_features" if mode == "column" else "in_features"
         _parallel.check_divisible(features, group, what, "choose a size the group divides")
@@ -162,13 +163,28 @@ class Linear(nn.Linear):
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict) -> None:
-        """Loads single-device (unsharded) ``weight`` / ``bias``; each rank keeps its slice."""
+        """Loads single-device (unsharded) ``weight`` / ``bias``; each rank keeps its slice.
+        Every shape is checked before anything is copied (ValueError)."""
+        for param, value in self._full_parts(state):
+            param.copy_(value)
+
+    def _full_parts(self, state: dict) -> list:
+        """(parameter, this rank's part of its tensor in `state`), each checked against the
+        parameter's full (unsharded) shape."""
         w_dim, b_dim = self._split_dims()
-        w = state["weight"]
-        self.weight.copy_(w if w_dim is None else self._shard(w, w_dim))
-        if self.bias is not None and state.get("bias") is not None:
-            b = state["bias"]
-            self.bias.copy_(b if b_dim is None else self._shard(b, b_dim))
+        parts = []
+        for name, dim, full in (("weight", w_dim, (self.out_features, self.in_features)),
+                                ("bias", b_dim, (self.out_features,))):
+            param, given = getattr(self, name), state.get(name)
+            if param is None and given is None:
+                continue
+            if param is None or given is None:
+                layer, other = ("has no", "has one") if param is None else ("has a", "none")
+                raise ValueError(f"load_full_state_dict: the layer {layer} {name}, the state "
+                                 f"{other}")
+            _check_full_shape(name, given, full)
+            parts.append((param, given if dim is None else self._shard(given, dim)))
+        return parts
 
     @torch.no_grad()
     def full_state_dict(self) -> dict:
@@ -284,7 +300,8 @@ class Linear(nn.Linear):
 
     def __getstate__(self):
         """Pickling: the amax group (a ProcessGroup) does not pickle; the next FP8 forward
-        sets it again."""
+        sets it again. (A tensor-parallel layer does not pickle: its tp_group cannot. A
+        shallow ``copy.copy`` passes through here too, and shares the group.)"""
         state = self._copied_state()
         state["_fp8_amax_group"] = None
         return state
@@ -833,6 +850,12 @@ def _moved(fn, t: torch.Tensor) -> torch.Tensor:
 def _refuse_under_compile(message: str) -> None:
     if torch.compiler.is_compiling():
         raise RuntimeError(message)
+
+
+def _check_full_shape(name: str, given: torch.Tensor, full: tuple) -> None:
+    if tuple(given.shape) != tuple(full):
+        raise ValueError(f"load_full_state_dict: {name} has shape {tuple(given.shape)}, the "
+                         f"layer's single-device (unsharded) shape is {tuple(full)}")
 
 
 def swap_linear(model: nn.Module,

@@ -33,8 +33,22 @@ def split_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return x.chunk(group_size(group), dim=0)[group_rank(group)].contiguous()
 
 
+def check_group(group, what: str = "tp_group") -> None:
+    """TypeError unless `group` is a process group; ValueError if this rank is not in it (what
+    ``dist.new_group`` gives the ranks outside)."""
+    if not isinstance(group, dist.ProcessGroup):
+        if type(group) is int and group == dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError(f"{what}: this rank (global rank {dist.get_rank()}) is not in the "
+                             f"group; every rank that builds or runs the layer must be in it")
+        raise TypeError(f"{what} must be a torch.distributed ProcessGroup (e.g. "
+                        f"dist.new_group(ranks)), got {type(group).__name__}")
+
+
 def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    """All ranks' parts of a sequence-split tensor, concatenated along dim 0 (no autograd)."""
+    """All ranks' parts of a sequence-split tensor, concatenated along dim 0 (no autograd);
+    `x` itself for None (no tensor parallelism), as ``split_sequence``."""
+    if group is None:
+        return x
     out = torch.empty((x.shape[0] * group_size(group),) + tuple(x.shape[1:]), dtype=x.dtype,
                       device=x.device)
     dist.all_gather_into_tensor(out, x.contiguous(), group=group)
@@ -47,7 +61,9 @@ def shard(full: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 def unshard(local: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """The full tensor from every rank's slice along `dim`."""
+    """The full tensor from every rank's slice along `dim` (`local` itself for None)."""
+    if group is None:
+        return local
     parts = [torch.empty_like(local) for _ in range(group_size(group))]
     dist.all_gather(parts, local.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
