@@ -483,6 +483,7 @@ def test_mlp_state_dict_round_trip_keeps_fp8_state(cls):
     (lambda: tpfp8.RMSNormLinear(32, 16, normalization="LayerNorm"), "RMSNorm"),
     (lambda: tpfp8.LayerNormMLP(32, 64, activation="relu"), "activation must be"),
     (lambda: tpfp8.MLP(32, 64, activation="relu"), "activation must be"),
+    (lambda: tpfp8.LayerNormMLP(32, 64, sequence_parallel=True), "needs set_parallel_mode=True"),
 ])
 def test_bad_settings_are_value_errors(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -571,6 +572,11 @@ def test_fc1_weight_gradient_without_an_input_gradient(cls, activation, recipe):
     assert without["fc1.weight"].abs().sum() > 0
     for name in without:
         assert torch.equal(without[name], with_dx[name]), name
+
+
+def test_an_mlp_shows_its_layers_by_their_public_names():
+    assert "(fc1): Linear(in_features=32, out_features=128" in repr(
+        tpfp8.MLP(32, 64, activation="swiglu"))
 
 
 def test_row_parallel_norm_is_refused():
@@ -765,6 +771,42 @@ class _Branching(nn.Module):
         if float(y.sum()) > 0:  # (fx cannot trace a branch on a value)
             return self.b(self.norm(y))
         return y
+
+
+class _CallsTheNormToo(nn.Module):
+    """A Sequential's norm -> Linear, the norm also called directly (by this forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seq = nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 64))
+
+    def forward(self, x):
+        return self.seq(x) + self.seq[0](x)
+
+
+class _CallsAChildsNorm(nn.Module):
+    """A traced pair inside `block`, whose norm this parent also calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = _Block()
+
+    def forward(self, x):
+        return self.block(x) + self.block.norm(x).sum()
+
+
+@pytest.mark.parametrize("make", [_CallsTheNormToo, _CallsAChildsNorm])
+def test_swap_fused_leaves_a_norm_called_from_elsewhere(make):
+    """A norm that another forward also calls stays a norm: fused, its slot became an
+    Identity, and that other call returned its input, silently."""
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(8, 64)
+    want = model(x)
+    tpfp8.swap_fused(model)
+    torch.testing.assert_close(model(x), want)
+    assert not any(type(m) is nn.Identity and name.endswith(("0", "norm"))
+                   for name, m in model.named_modules())
 
 
 def test_swap_fused_follows_traced_data_flow():

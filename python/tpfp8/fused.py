@@ -201,6 +201,9 @@ class ActivationLinear(Linear):
 class _GatedLinear(_GatedShards, Linear):
     """``MLP``'s fc1: a ``tpfp8.Linear`` whose outputs may be SwiGLU's ``[gate | up]``."""
 
+    def _get_name(self) -> str:  # (its repr: the public class it is)
+        return "Linear"
+
 
 class _TwoLayers(nn.Module):
     """fc1 -> activation -> fc2 as one op (``torch.ops.tpfp8.mlp``); fc1 a ``Linear`` with or
@@ -220,6 +223,10 @@ class _TwoLayers(nn.Module):
                      bias: bool, activation: str, set_parallel_mode: bool, name: Optional[str],
                      **common) -> None:
         _choice(activation, _ACTIVATIONS, "activation")
+        if common.get("sequence_parallel") and not set_parallel_mode:
+            raise ValueError(f"{type(self).__name__}(sequence_parallel=True) needs "
+                             f"set_parallel_mode=True (fc1 column-, fc2 row-parallel) and "
+                             f"tp_group")
         gated = activation == "swiglu"
         self.fc1 = fc1_class(
             hidden_size, ffn_hidden_size * (2 if gated else 1), bias=bias,
@@ -370,21 +377,33 @@ def swap_fused(model: nn.Module) -> nn.Module:
     fused model's to load into a fused one: ``load_state_dict(..., strict=False)`` across the
     two would leave the norms unloaded. Returns ``model``."""
     shared = _shared_modules(model)
+    # Every traceable forward, read before anything changes: its pairs, and how often each
+    # module is called from it (a norm a parent also calls directly must stay a norm).
+    traced = [(owner, *_traced_calls(owner)) for owner in model.modules()
+              if _traceable_owner(owner)]
+    calls = collections.Counter()
+    for _, _, counts in traced:
+        calls.update(counts)
     for seq in [m for m in model.modules() if isinstance(m, nn.Sequential)]:
         names = list(seq._modules)
         for a, b in zip(names, names[1:]):
-            _fuse_pair(seq, a, b, shared)
-    for owner in [m for m in model.modules() if _traceable_owner(m)]:
-        for a, b in _traced_pairs(owner):
-            _fuse_pair(owner, a, b, shared)
+            _fuse_pair(seq, a, b, shared, calls, expected_calls=0)
+    for owner, pairs, _ in traced:
+        for a, b in pairs:
+            _fuse_pair(owner, a, b, shared, calls, expected_calls=1)
     return model
 
 
-def _fuse_pair(owner: nn.Module, a: str, b: str, shared: set) -> None:
+def _fuse_pair(owner: nn.Module, a: str, b: str, shared: set, calls: collections.Counter,
+               expected_calls: int) -> None:
     """Fuses submodules `a` (a norm or an exact GELU) and `b` (a Linear taking its output alone)
-    of `owner`, where they are of those kinds and neither is shared."""
+    of `owner`, where they are of those kinds, neither is shared, and the traced forwards call
+    each `expected_calls` times (a Sequential's own calls are not among them; a pair traced in
+    `owner`'s forward counts that one)."""
     first, second = owner.get_submodule(a), owner.get_submodule(b)
     if not _plain_linear(second) or id(first) in shared or id(second) in shared:
+        return
+    if calls[id(first)] != expected_calls or calls[id(second)] != expected_calls:
         return
     if _fusable_norm(first):
         fused = _norm_linear(first, second)
@@ -421,15 +440,19 @@ class _OpaqueSubmodules(torch.fx.Tracer):
         return True
 
 
-def _traced_pairs(owner: nn.Module) -> list:
-    """(a, b): submodule paths where `owner.forward` calls `b` on the output of `a`, which
-    nothing else uses, each called once; [] where forward cannot be traced."""
+def _traced_calls(owner: nn.Module) -> tuple:
+    """(pairs, calls): the (a, b) submodule paths where `owner.forward` calls `b` on the output
+    of `a`, which nothing else uses, each called once; and how many times it calls each
+    module (by id). ([], {}) where forward cannot be traced."""
     try:  # (on a shallow copy: a forward that sets attributes sets the copy's)
         graph = _OpaqueSubmodules().trace(copy.copy(owner))
     except Exception:  # (control flow on values, unsupported Python: not provable, left alone)
-        return []
+        return [], collections.Counter()
     calls = [n for n in graph.nodes if n.op == "call_module"]
     count = collections.Counter(n.target for n in calls)
+    by_module = collections.Counter()
+    for target, n in count.items():
+        by_module[id(owner.get_submodule(target))] += n
     pairs = []
     for n in calls:
         users = list(n.users)
@@ -439,7 +462,7 @@ def _traced_pairs(owner: nn.Module) -> list:
         if user.op == "call_module" and count[user.target] == 1 and user.args == (n,) \
                 and not user.kwargs:
             pairs.append((n.target, user.target))
-    return pairs
+    return pairs, by_module
 
 
 def _plain_linear(m) -> bool:
