@@ -6,6 +6,7 @@ import threading
 import torch
 import torch.utils.checkpoint
 
+from . import parallel as _parallel
 from . import scaling as _scaling
 from .recipe import DelayedScaling
 
@@ -78,11 +79,11 @@ def fp8_autocast(enabled: bool = True, recipe=None, amax_group=None):
 
 
 def _is_group(value) -> bool:
-    """A process group, or what ``dist.new_group`` gives a rank outside it (refused later, by
-    the layer, as a group that misses its tensor-parallel ranks)."""
+    """A process group, or what a rank outside one holds (refused later, by the layer, as a
+    group that misses its tensor-parallel ranks)."""
     dist = torch.distributed
-    return dist.is_available() and (isinstance(value, dist.ProcessGroup) or (
-        type(value) is int and value == dist.GroupMember.NON_GROUP_MEMBER))
+    return dist.is_available() and (isinstance(value, dist.ProcessGroup) or
+                                     _parallel.is_non_member(value))
 
 
 def checkpoint(function, *args, **kwargs):

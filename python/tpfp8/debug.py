@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from . import _C
 from .formats import Fp8Format
+from .recipe import _is_int
 
 TENSORS = ("activation", "weight", "gradient")
 GEMMS = ("fprop", "dgrad", "wgrad")
@@ -106,7 +107,7 @@ def _step_number(raw: dict, key: str, default, least: int, where: str):
     value = raw.get(key, default)
     if value is None and default is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+    if not _is_int(value) or value < least:
         raise ValueError(f"{where}: {key} must be an int >= {least}, got {value!r}")
     return value
 

@@ -7,8 +7,6 @@ parallelism, debugging, checkpointing and torch.compile work as for ``tpfp8.Line
 import collections
 import copy
 import functools
-import math
-import numbers
 from typing import Optional
 
 import torch
@@ -18,6 +16,7 @@ from torch import nn
 from . import _C
 from . import parallel as _parallel
 from .module import _MLP, Linear, _check_full_shape, _parameter, _run_op
+from .recipe import _finite_nonnegative
 
 _NORMS = {"LayerNorm": int(_C.Prologue.LAYER_NORM), "RMSNorm": int(_C.Prologue.RMS_NORM)}
 _ACTIVATIONS = {"gelu": int(_C.Prologue.GELU), "swiglu": int(_C.Prologue.SWIGLU)}
@@ -108,8 +107,7 @@ class LayerNormLinear(_GatedShards, Linear):
         if kwargs.get("parallel_mode") == "row":
             raise ValueError("LayerNormLinear cannot be row-parallel: its norm needs every "
                              "feature of the input; use parallel_mode='column' or None")
-        if not (isinstance(eps, numbers.Real) and not isinstance(eps, bool) and
-                0 <= eps < math.inf):
+        if not _finite_nonnegative(eps):
             raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
         if (error := _norm_width_error(in_features)) is not None:
             raise ValueError(error)
@@ -443,7 +441,7 @@ class _OpaqueSubmodules(torch.fx.Tracer):
 def _traced_calls(owner: nn.Module) -> tuple:
     """(pairs, calls): the (a, b) submodule paths where `owner.forward` calls `b` on the output
     of `a`, which nothing else uses, each called once; and how many times it calls each
-    module (by id). ([], {}) where forward cannot be traced."""
+    module (by id). Nothing of either where forward cannot be traced."""
     try:  # (on a shallow copy: a forward that sets attributes sets the copy's)
         graph = _OpaqueSubmodules().trace(copy.copy(owner))
     except Exception:  # (control flow on values, unsupported Python: not provable, left alone)

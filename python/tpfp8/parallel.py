@@ -33,11 +33,15 @@ def split_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return x.chunk(group_size(group), dim=0)[group_rank(group)].contiguous()
 
 
+def is_non_member(value) -> bool:
+    """Whether `value` is what ``dist.new_group`` gives the ranks outside the group."""
+    return type(value) is int and value == dist.GroupMember.NON_GROUP_MEMBER
+
+
 def check_group(group, what: str = "tp_group") -> None:
-    """TypeError unless `group` is a process group; ValueError if this rank is not in it (what
-    ``dist.new_group`` gives the ranks outside)."""
+    """TypeError unless `group` is a process group; ValueError if this rank is not in it."""
     if not isinstance(group, dist.ProcessGroup):
-        if type(group) is int and group == dist.GroupMember.NON_GROUP_MEMBER:
+        if is_non_member(group):
             raise ValueError(f"{what}: this rank (global rank {dist.get_rank()}) is not in the "
                              f"group; every rank that builds or runs the layer must be in it")
         raise TypeError(f"{what} must be a torch.distributed ProcessGroup (e.g. "

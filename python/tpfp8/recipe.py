@@ -24,6 +24,11 @@ def _is_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def _finite_nonnegative(value) -> bool:
+    """A number in [0, inf): what an epsilon may be."""
+    return _is_number(value) and 0 <= value < math.inf
+
+
 @dataclass(frozen=True)
 class DelayedScaling:
     """Scale from the amax history of earlier steps: ``scale = fp8_max * 2**-margin / amax``,
@@ -64,8 +69,7 @@ class CurrentScaling:
 
     def __post_init__(self):
         _check_format(self.fp8_format)
-        if not (_is_number(self.amax_epsilon) and 0.0 <= self.amax_epsilon < math.inf):
-            # (inf would make every scale 0)
+        if not _finite_nonnegative(self.amax_epsilon):  # (inf would make every scale 0)
             raise ValueError(f"amax_epsilon must be a finite number >= 0 (the smallest amax "
                              f"a scale is computed from), got {self.amax_epsilon!r}")
 
