@@ -89,7 +89,8 @@ void* workspace_for(const at::Tensor& like) {
 
 void gemm(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, const OptTensor& a_scale_inv,
           const OptTensor& b_scale_inv, int64_t a_type, int64_t b_type, const OptTensor& bias,
-          bool accumulate, bool fast_accum, bool a_transposed, bool b_transposed) {
+          bool accumulate, bool fast_accum, bool a_transposed, bool b_transposed,
+          const OptTensor& residual) {
   GemmParams p;
   p.a = operand(a, gemm_type_from(a_type), a_scale_inv, a_transposed, "A", out);
   p.b = operand(b, gemm_type_from(b_type), b_scale_inv, b_transposed, "B", out);
@@ -111,6 +112,12 @@ void gemm(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, const OptTe
     p.bias = bias->data_ptr();
     p.bias_type = storage_type(*bias, "bias");
   }
+  if (residual.has_value()) {
+    check_output(*residual, "residual", {p.m, p.n}, out.scalar_type(), out);
+    TORCH_CHECK_VALUE(!residual->is_alias_of(out),
+                      "residual shares memory with out; to add into out, pass accumulate=True");
+    p.residual = residual->data_ptr();
+  }
   p.accumulate = accumulate;
   p.fast_accum = fast_accum;
   const std::string err = gemm_check(p);
@@ -130,7 +137,7 @@ TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
   m.def(
       "gemm(Tensor a, Tensor b, Tensor(a!) out, Tensor? a_scale_inv, Tensor? b_scale_inv, "
       "int a_type, int b_type, Tensor? bias, bool accumulate, bool fast_accum, "
-      "bool a_transposed, bool b_transposed) -> ()");
+      "bool a_transposed, bool b_transposed, Tensor? residual=None) -> ()");
 }
 TORCH_LIBRARY_IMPL(tpfp8, CPU, m) { m.impl("gemm", &gemm); }
 #if defined(TPFP8_WITH_CUDA)

@@ -155,7 +155,7 @@ void norm_cast_current(const at::Tensor& input, const at::Tensor& gamma, const O
 // as per-band column sums added in a fixed order -- the same bytes every run, on CPU and GPU.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward(
     const at::Tensor& dy, const at::Tensor& x, const OptTensor& mean, const at::Tensor& rstd,
-    const at::Tensor& gamma, bool rms_norm) {
+    const at::Tensor& gamma, bool rms_norm, const OptTensor& dx_add) {
   check_2d(x, "x");
   high_precision_dtype(x, "x");
   TORCH_CHECK_VALUE(dy.sizes() == x.sizes(), "dy must have x's shape ", shape_str(x), ", got ",
@@ -186,11 +186,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward(
                     "norm_backward needs hidden (x.size(1)) a multiple of ", kNormHiddenAlign,
                     " in [16, ", kNormMaxHidden, "] (norm_cast's limits), got ", hidden);
 
+  if (dx_add) {
+    TORCH_CHECK_VALUE(dx_add->sizes() == x.sizes() && dx_add->scalar_type() == x.scalar_type(),
+                      "dx_add must be ", x.scalar_type(), " of x's shape ", shape_str(x),
+                      " (it is added to dx), got ", dx_add->scalar_type(), " of shape ",
+                      shape_str(*dx_add));
+    check_same_device(*dx_add, x, "dx_add", "x");
+  }
   // The kernel reads x and dy in one dtype: a dy of another dtype goes in fp32 with x (both
   // exact), and dx is rounded to x's dtype once, at the end.
   const bool same_dtype = dy.scalar_type() == x.scalar_type();
   const at::Tensor xk = (same_dtype ? x : x.to(at::kFloat)).contiguous();
   const at::Tensor dyk = (same_dtype ? dy : dy.to(at::kFloat)).contiguous();
+  const at::Tensor addk = dx_add ? dx_add->to(xk.scalar_type()).contiguous() : at::Tensor();
   const at::Tensor gamma32 = gamma.to(at::kFloat).contiguous();
   const at::Tensor rstd_c = rstd.contiguous();
   const at::Tensor mean_c = mean ? mean->contiguous() : at::Tensor();
@@ -213,6 +221,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward(
   p.rstd = rstd_c.data_ptr<float>();
   p.gamma = gamma32.data_ptr<float>();
   p.dx = dx.data_ptr();
+  p.dx_add = addk.defined() ? addk.data_ptr() : nullptr;
   p.dgamma = dgamma.data_ptr<float>();
   p.dbeta = rms_norm ? nullptr : dbeta.data_ptr<float>();
   p.partial = partial.defined() ? partial.data_ptr<float>() : nullptr;
@@ -235,7 +244,7 @@ TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
       "int fp8_format) -> ()");
   m.def(
       "norm_backward(Tensor dy, Tensor x, Tensor? mean, Tensor rstd, Tensor gamma, "
-      "bool rms_norm) -> (Tensor, Tensor, Tensor)");
+      "bool rms_norm, Tensor? dx_add=None) -> (Tensor, Tensor, Tensor)");
 }
 
 #define TPFP8_REGISTER_NORM_OPS(m)                 \

@@ -64,10 +64,12 @@ std::vector<DelayedScalingBatch> delayed_scaling_batches(
     const std::vector<at::Tensor>& previous = {});
 void run_delayed_scaling_batches(const at::Tensor& device,
                                  const std::vector<DelayedScalingBatch>& batches);
-// out[M, N] = scales * A . B^T (+ bias) (+ out); types are GemmType codes (kernels/gemm.h).
+// out[M, N] = scales * A . B^T (+ bias) (+ out, or + residual [M, N] in out's dtype); types are
+// GemmType codes (kernels/gemm.h).
 void gemm(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, const OptTensor& a_scale_inv,
           const OptTensor& b_scale_inv, int64_t a_type, int64_t b_type, const OptTensor& bias,
-          bool accumulate, bool fast_accum, bool a_transposed, bool b_transposed);
+          bool accumulate, bool fast_accum, bool a_transposed, bool b_transposed,
+          const OptTensor& residual = std::nullopt);
 
 // Fused LayerNorm (rms_norm false: gamma, optional beta) / RMSNorm forward of input [M, H]
 // (H % 16 == 0, H <= 16384) into any of: out [M, H] (input dtype), rowwise [M, H] /
@@ -95,9 +97,10 @@ void norm_cast_from(const at::Tensor& input, const at::Tensor& gamma, const OptT
                     double scale_epsilon, const OptTensor& out, const OptTensor& rowwise,
                     const OptTensor& columnwise, const OptTensor& amax, const OptTensor& scale_inv,
                     const OptTensor& mean, const OptTensor& rstd, int64_t fp8_format);
-// (dx [M, H] in x's dtype, dgamma [H] and dbeta [H] (RMSNorm: [0]) in gamma's dtype).
+// (dx [M, H] in x's dtype, dgamma [H] and dbeta [H] (RMSNorm: [0]) in gamma's dtype); `dx_add`
+// (x's dtype and shape) is added to dx in the same pass, before its rounding.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward(
     const at::Tensor& dy, const at::Tensor& x, const OptTensor& mean, const at::Tensor& rstd,
-    const at::Tensor& gamma, bool rms_norm);
+    const at::Tensor& gamma, bool rms_norm, const OptTensor& dx_add = std::nullopt);
 
 }  // namespace tpfp8

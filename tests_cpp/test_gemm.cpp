@@ -64,6 +64,33 @@ TEST(GemmCpu, Fp8WithBiasMatchesDirectSum) {
   EXPECT_LT(rel_err(d, want), 1e-7);
 }
 
+TEST(GemmCpu, ResidualIsAddedBeforeTheOneRounding) {
+  const int64_t m = 3, n = 16, k = 32;
+  const Fp8Matrix a = quantize(finite_randoms(m * k, 3), Fp8Format::kE4M3, 8.0f);
+  const Fp8Matrix b = quantize(finite_randoms(n * k, 4), Fp8Format::kE4M3, 8.0f);
+  const std::vector<float> r32 = finite_randoms(m * n, 5);
+  std::vector<bf16_t> residual(m * n), d(m * n);
+  for (int64_t i = 0; i < m * n; ++i) residual[i] = to_bf16(4.0f * r32[i]);
+  GemmParams p;
+  p.m = m, p.n = n, p.k = k;
+  p.a = {a.codes.data(), GemmType::kE4M3, &a.scale_inv, false};
+  p.b = {b.codes.data(), GemmType::kE4M3, &b.scale_inv, false};
+  p.d = d.data(), p.d_type = GemmType::kBFloat16, p.residual = residual.data();
+  gemm_cpu(p);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      double s = 0;
+      for (int64_t c = 0; c < k; ++c) {
+        s += double(decode_fp8(a.codes[i * k + c], Fp8Format::kE4M3)) *
+             decode_fp8(b.codes[j * k + c], Fp8Format::kE4M3);
+      }
+      const double exact = s * a.scale_inv * b.scale_inv + to_float(residual[i * n + j]);
+      EXPECT_EQ(d[i * n + j].bits, to_bf16(static_cast<float>(exact)).bits) << i << j;
+    }
+  }
+  EXPECT_EQ(residual[0].bits, to_bf16(4.0f * r32[0]).bits);  // (read, never written)
+}
+
 TEST(GemmCpu, RulesNameTheProblem) {
   GemmParams p;
   p.m = 4, p.n = 16, p.k = 24;
@@ -77,6 +104,8 @@ TEST(GemmCpu, RulesNameTheProblem) {
   EXPECT_NE(gemm_check(p).find("cannot mix"), std::string::npos);
   p.b.type = GemmType::kE4M3;
   EXPECT_EQ(gemm_check(p), "");
+  p.accumulate = true, p.residual = &s;
+  EXPECT_NE(gemm_check(p).find("not both"), std::string::npos);
 }
 
 TEST(GemmCuda, Fp8MatchesCpuReference) {
@@ -103,6 +132,14 @@ TEST(GemmCuda, Fp8MatchesCpuReference) {
     // Hopper FP8 tensor cores accumulate with ~14 mantissa bits between fp32 promotions
     // (see tests_py/test_gemm.py): 1e-3 normwise, measured up to 3.3e-4.
     EXPECT_LT(rel_err(dd.to_host(), want), 1e-3) << m << "x" << n << "x" << k;
+    // The same with a residual (C, beta = 1): D is the product plus it.
+    const std::vector<float> r = finite_randoms(m * n, k);
+    testing::DeviceBuffer<float> dr(r);
+    p.residual = dr.get();
+    ASSERT_EQ(gemm_cuda(p, nullptr), "");
+    for (int64_t i = 0; i < m * n; ++i) want[i] += r[i];
+    EXPECT_LT(rel_err(dd.to_host(), want), 1e-3) << m << "x" << n << "x" << k << " + residual";
+    p.residual = nullptr;
   }
 #endif
 }

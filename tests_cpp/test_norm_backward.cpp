@@ -81,8 +81,18 @@ NormBackwardParams params_for(const Inputs<T>& in) {
   return p;
 }
 
+// A gradient reaching x past the norm (dx_add): of x's shape, in its dtype.
 template <typename T>
-Outputs backward_on_cpu(const Inputs<T>& in, Sums sums = {}) {
+std::vector<T> skip_gradient(const Inputs<T>& in) {
+  std::mt19937_64 rng(in.s.rows * 7 + in.s.cols);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> add(in.x.size());
+  for (auto& v : add) v = normal(rng);
+  return convert<T>(add);
+}
+
+template <typename T>
+Outputs backward_on_cpu(const Inputs<T>& in, Sums sums = {}, const std::vector<T>* add = nullptr) {
   const bool dbeta = sums.dbeta && in.norm == NormType::kLayerNorm;
   std::vector<T> dx(in.x.size());
   Outputs o;
@@ -90,6 +100,7 @@ Outputs backward_on_cpu(const Inputs<T>& in, Sums sums = {}) {
   o.dbeta.assign(dbeta ? in.s.cols : 0, -1.0f);
   NormBackwardParams p = params_for(in);
   p.dx = dx.data();
+  p.dx_add = add ? add->data() : nullptr;
   p.dgamma = sums.dgamma ? o.dgamma.data() : nullptr;
   p.dbeta = dbeta ? o.dbeta.data() : nullptr;
   EXPECT_EQ(norm_backward_invalid(p), nullptr);
@@ -172,6 +183,27 @@ std::vector<float> column_sums_by_definition(const std::vector<float>& terms, Sh
     out[c] = total;
   }
   return out;
+}
+
+TEST(NormBackwardCpu, DxAddIsAddedToTheFp32DxThenRoundedOnce) {
+  const Shape s{37, 1040};
+  for (const NormType norm : {NormType::kLayerNorm, NormType::kRMSNorm}) {
+    const Inputs<bf16_t> in = make_inputs<bf16_t>(s, norm, 6, false);
+    // The same inputs in fp32 (exact): the kernel's fp32 dx, written unrounded.
+    Inputs<float> wide{s, norm, {}, {}, in.gamma, in.mean, in.rstd};
+    for (const bf16_t v : in.x) wide.x.push_back(to_float(v));
+    for (const bf16_t v : in.dy) wide.dy.push_back(to_float(v));
+    const std::vector<bf16_t> add = skip_gradient(in);
+    const Outputs got = backward_on_cpu(in, {}, &add), plain = backward_on_cpu(in);
+    const Outputs fp32 = backward_on_cpu(wide);
+    std::vector<float> dx32(in.x.size());
+    std::memcpy(dx32.data(), fp32.dx.data(), fp32.dx.size());
+    std::vector<bf16_t> want(in.x.size());
+    for (size_t i = 0; i < want.size(); ++i) want[i] = to_bf16(dx32[i] + to_float(add[i]));
+    EXPECT_TRUE(same_bytes(got.dx, bytes_of(want))) << norm_name(norm);
+    EXPECT_TRUE(same_bytes(got.dgamma, plain.dgamma)) << norm_name(norm);
+    EXPECT_TRUE(same_bytes(got.dbeta, plain.dbeta)) << norm_name(norm);
+  }
 }
 
 TEST(NormBackwardCpu, ColumnSumsFollowTheDefinedOrder) {
@@ -281,16 +313,19 @@ struct Placed {
 };
 
 template <typename T>
-Outputs backward_on_gpu(const Inputs<T>& in, Sums sums = {}, int offset = 0) {
+Outputs backward_on_gpu(const Inputs<T>& in, Sums sums = {}, int offset = 0,
+                        const std::vector<T>* add = nullptr) {
   const bool dbeta = sums.dbeta && in.norm == NormType::kLayerNorm;
   const size_t n = in.x.size();
   const int64_t h = in.s.cols;
-  Placed<T> d_x(in.x, offset), d_dy(in.dy, offset), d_dx(n, offset);
+  Placed<T> d_x(in.x, offset), d_dy(in.dy, offset), d_dx(n, offset),
+      d_add(add ? *add : std::vector<T>(), offset);
   Placed<float> d_gamma(in.gamma, offset), d_mean(in.mean, offset), d_rstd(in.rstd, offset),
       d_dgamma(sums.dgamma ? h : 0, offset), d_dbeta(dbeta ? h : 0, offset),
       d_partial(norm_backward_workspace_floats(in.s.rows, h), offset);
   NormBackwardParams p = params_for(in);
   p.x = d_x.get(), p.dy = d_dy.get(), p.dx = d_dx.get(), p.gamma = d_gamma.get();
+  p.dx_add = add ? d_add.get() : nullptr;
   p.mean = in.norm == NormType::kLayerNorm ? d_mean.get() : nullptr;
   p.rstd = d_rstd.get();
   p.dgamma = sums.dgamma ? d_dgamma.get() : nullptr;
@@ -322,6 +357,10 @@ void expect_backward_matches(Shape s, int offset) {
     EXPECT_TRUE(same_outputs(backward_on_gpu(in, {}, offset), backward_on_cpu(in)))
         << dtype_name<T>() << " " << norm_name(norm) << " " << s.rows << "x" << s.cols << " offset "
         << offset;
+    const std::vector<T> add = skip_gradient(in);
+    EXPECT_TRUE(same_outputs(backward_on_gpu(in, {}, offset, &add), backward_on_cpu(in, {}, &add)))
+        << dtype_name<T>() << " " << norm_name(norm) << " " << s.rows << "x" << s.cols << " offset "
+        << offset << " with dx_add";
   }
 }
 #endif

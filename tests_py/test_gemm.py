@@ -64,6 +64,20 @@ def test_cpu_high_precision_layouts_and_accumulate(a_t, b_t):
     assert rel_err(d, 2 * want) < 1e-6
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_cpu_residual_is_added_before_the_one_rounding(out_dtype):
+    a, sa = fp8_operand((17, 48), "e4m3", 1)
+    b, sb = fp8_operand((32, 48), "e4m3", 2)
+    bias, residual = rand((32,), 3, torch.bfloat16), rand((17, 32), 4, out_dtype)
+    kw = dict(a_format="e4m3", b_format="e4m3", a_scale_inv=sa, b_scale_inv=sb, bias=bias,
+              out_dtype=out_dtype)
+    d = ops.gemm(a, b, residual=residual, **kw)
+    exact = (decoded(a, "e4m3", sa) @ decoded(b, "e4m3", sb).T + bias.double().numpy()
+             + residual.double().numpy())
+    assert torch.equal(d, torch.from_numpy(exact).to(out_dtype))  # (fp64 sum, rounded once)
+    assert torch.equal(residual, rand((17, 32), 4, out_dtype))  # (read, never written)
+
+
 def test_accept_float8_dtypes_directly():
     a, sa = fp8_operand((16, 32), "e4m3", 6)
     b, sb = fp8_operand((16, 32), "e5m2", 7)
@@ -100,6 +114,17 @@ ERRORS = [
     (lambda: ops.gemm(rand((4, 8), 1), rand((4, 8), 2), out_dtype=torch.float32,
                       bias=torch.ones(5)), r"bias must be \[N\]"),
     (lambda: ops.gemm(torch.zeros(4, 16, dtype=torch.uint8), rand((4, 16), 2)), "FP8 format"),
+    (lambda: ops.gemm(rand((4, 8), 1), rand((5, 8), 2), out_dtype=torch.float32,
+                      residual=torch.ones(4, 5, dtype=torch.bfloat16)),
+     "residual must be Float of shape"),
+    (lambda: ops.gemm(rand((4, 8), 1), rand((5, 8), 2), out_dtype=torch.float32,
+                      residual=torch.ones(5, 4)), r"residual must be Float of shape \[4, 5\]"),
+    (lambda: ops.gemm(rand((4, 8), 1), rand((5, 8), 2), out_dtype=torch.float32,
+                      residual=torch.ones(5, 4).t()), "residual must be contiguous"),
+    (lambda: ops.gemm(rand((4, 8), 1), rand((5, 8), 2), out=torch.ones(4, 5), accumulate=True,
+                      residual=torch.ones(4, 5)), "not both"),
+    (lambda: (lambda out: ops.gemm(rand((4, 8), 1), rand((5, 8), 2), out=out, residual=out))(
+        torch.ones(4, 5)), "shares memory with out"),
 ]
 
 
@@ -128,6 +153,8 @@ def gpu_vs_cpu(a, b, out_dtype, bias=None, accumulate=False, return_rows=False, 
     ops.gemm(a.cuda(), b.cuda(), out=gpu_out, bias=cuda(bias), accumulate=accumulate,
              **{k: cuda(v) if isinstance(v, torch.Tensor) else v for k, v in kw.items()})
     cpu_out = init[rows].clone()
+    if kw.get("residual") is not None:  # (row-wise, as A)
+        kw = dict(kw, residual=kw["residual"][rows].contiguous())
     ops.gemm(a[rows].contiguous(), b, out=cpu_out, bias=bias, accumulate=accumulate, **kw)
     return (gpu_out.cpu()[rows], cpu_out) + ((rows,) if return_rows else ())
 
@@ -186,6 +213,23 @@ def test_gpu_fp8_accumulate_into_fp32_main_grad():
     got, want = gpu_vs_cpu(a, b, torch.float32, accumulate=True, a_format="e5m2",
                            b_format="e4m3", a_scale_inv=sa, b_scale_inv=sb)
     assert rel_err(got, want) <= FP8_BOUND[False]
+
+
+@requires_gpu
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gpu_fp8_residual_matches_cpu(out_dtype, bias):
+    a, sa = fp8_operand((200, 512), "e4m3", 1)  # (<= 256 rows: the CPU checks them all)
+    b, sb = fp8_operand((384, 512), "e4m3", 2)
+    residual = rand((200, 384), 7, out_dtype)
+    got, want = gpu_vs_cpu(a, b, out_dtype, bias=rand((384,), 5, torch.bfloat16) if bias else None,
+                           a_format="e4m3", b_format="e4m3", a_scale_inv=sa, b_scale_inv=sb,
+                           residual=residual, fast_accum=True)
+    assert rel_err(got, want) <= max(TOL[out_dtype], FP8_BOUND[True])
+    # (the residual counts: without it the result is far off)
+    without, _ = gpu_vs_cpu(a, b, out_dtype, a_format="e4m3", b_format="e4m3", a_scale_inv=sa,
+                            b_scale_inv=sb, fast_accum=True)
+    assert rel_err(got - without.to(got.dtype), residual.double()) <= 2 * TOL[out_dtype]
 
 
 @requires_gpu

@@ -185,18 +185,64 @@ def test_backward_of_a_dy_in_another_dtype_reads_both_in_fp32(device):
     assert torch.equal(mixed[1], fp32[1]) and torch.equal(mixed[2], fp32[2])
 
 
+def skip_gradient(shape, dtype, device, seed=9):
+    """A gradient reaching x past the norm (dx_add): values that change every dx's bits."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", NORMS)
+def test_backward_adds_dx_add_before_its_one_rounding(device, dtype, norm):
+    """dx_add is added to the fp32 dx, then rounded once: the kernel run in fp32 (the same
+    fp32 dx, written unrounded), plus dx_add in fp32, rounded to dtype, bit for bit; dgamma
+    and dbeta as without it."""
+    dy, x, mean, rstd, gamma, rms = backward_inputs((300, 1040), dtype, norm, device)
+    add = skip_gradient(x.shape, dtype, device)
+    got = ops.norm_backward(dy, x, mean, rstd, gamma, rms, dx_add=add)
+    fp32 = ops.norm_backward(dy.float(), x.float(), mean, rstd, gamma, rms)
+    assert torch.equal(as_bytes(got[0]), as_bytes((fp32[0] + add.float()).to(dtype)))
+    plain = ops.norm_backward(dy, x, mean, rstd, gamma, rms)
+    for a, b in zip(got[1:], plain[1:]):
+        assert (a is None and b is None) or torch.equal(as_bytes(a), as_bytes(b))
+    assert not torch.equal(got[0], plain[0])
+
+
 @requires_gpu
 @pytest.mark.parametrize("shape", [(1, 16), (17, 1040), (2100, 256), (300, 4096), (33, 8192),
                                    (20, 16384), (0, 64)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm", NORMS)
-def test_backward_gpu_bytes_equal_cpu(shape, dtype, norm):
+@pytest.mark.parametrize("dx_add", [False, True])
+def test_backward_gpu_bytes_equal_cpu(shape, dtype, norm, dx_add):
     cpu_args = backward_inputs(shape, dtype, norm, "cpu")
-    cpu = ops.norm_backward(*cpu_args)
+    add = skip_gradient(shape, dtype, "cpu") if dx_add else None
+    cpu = ops.norm_backward(*cpu_args, dx_add=add)
     gpu_args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in cpu_args]
-    gpu = ops.norm_backward(*gpu_args)
+    gpu = ops.norm_backward(*gpu_args, dx_add=None if add is None else add.cuda())
     for name, a, b in zip(("dx", "dgamma", "dbeta"), cpu, gpu):
         assert (a is None and b is None) or torch.equal(as_bytes(a), as_bytes(b)), name
+
+
+@requires_gpu
+def test_backward_gpu_dx_add_off_the_16_byte_path_equals_cpu():
+    """A dx_add 16-byte aligned or not (an offset view, made contiguous as it is): both the
+    vector and the element path of the kernel."""
+    cpu_args = backward_inputs((64, 1040), torch.bfloat16, "rmsnorm", "cpu")
+    add = skip_gradient((64 * 1040 + 1,), torch.bfloat16, "cpu")[1:].view(64, 1040)
+    cpu = ops.norm_backward(*cpu_args, dx_add=add)
+    gpu_args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in cpu_args]
+    storage = add.cuda().view(-1)
+    shifted = torch.empty(storage.numel() + 1, dtype=storage.dtype, device="cuda")[1:]
+    shifted.copy_(storage)
+    gpu = ops.norm_backward(*gpu_args, dx_add=shifted.view(64, 1040))
+    assert torch.equal(as_bytes(cpu[0]), as_bytes(gpu[0]))
+
+
+def test_bad_dx_add_is_a_clear_error():
+    dy, x, mean, rstd, gamma, rms = backward_inputs((24, 64), torch.bfloat16, "layernorm", "cpu")
+    for bad in (torch.zeros(24, 64), torch.zeros(24, 48, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match=r"dx_add must be BFloat16 of x's shape \[24, 64\]"):
+            ops.norm_backward(dy, x, mean, rstd, gamma, rms, dx_add=bad)
 
 
 def test_bad_inputs_raise_clear_errors_and_change_nothing():

@@ -50,12 +50,12 @@ struct PlanKey {
   int device;
   int64_t m, n, k;
   int a_type, b_type, d_type, bias_type;
-  bool a_t, b_t, bias, accumulate, fast_accum;
+  bool a_t, b_t, bias, accumulate, residual, fast_accum;
   size_t workspace;
-  int align_a, align_b, align_d;
+  int align_a, align_b, align_c, align_d;
   auto tie() const {
     return std::tie(device, m, n, k, a_type, b_type, d_type, bias_type, a_t, b_t, bias, accumulate,
-                    fast_accum, workspace, align_a, align_b, align_d);
+                    residual, fast_accum, workspace, align_a, align_b, align_c, align_d);
   }
   bool operator<(const PlanKey& o) const { return tie() < o.tie(); }
 };
@@ -131,8 +131,10 @@ void set_pointers(const Plan& plan, const GemmParams& p) {
 
 cublasStatus_t run(cublasLtHandle_t handle, const Plan& plan, const cublasLtMatmulAlgo_t& algo,
                    const GemmParams& p, cudaStream_t stream) {
-  const float alpha = 1.0f, beta = p.accumulate ? 1.0f : 0.0f;
-  return cublasLtMatmul(handle, plan.desc, &alpha, p.b.data, plan.a, p.a.data, plan.b, &beta, p.d,
+  // C is D itself when accumulating, else the residual (same type and layout as D), or unread.
+  const float alpha = 1.0f, beta = p.accumulate || p.residual ? 1.0f : 0.0f;
+  const void* c = p.residual ? p.residual : p.d;
+  return cublasLtMatmul(handle, plan.desc, &alpha, p.b.data, plan.a, p.a.data, plan.b, &beta, c,
                         plan.d, p.d, plan.d, &algo, p.workspace, p.workspace_size, stream);
 }
 
@@ -211,11 +213,11 @@ std::string describe(const cublasLtMatmulAlgo_t& algo) {
 
 // One stderr line for TPFP8_GEMM_LOG: the plan, the configuration it runs, how it was chosen.
 void log_choice(const GemmParams& p, const cublasLtMatmulAlgo_t& algo, const std::string& how) {
-  fprintf(stderr, "tpfp8 GEMM M=%lld N=%lld K=%lld %s x %s -> %s%s%s: %s; %s\n",
+  fprintf(stderr, "tpfp8 GEMM M=%lld N=%lld K=%lld %s x %s -> %s%s%s%s: %s; %s\n",
           static_cast<long long>(p.m), static_cast<long long>(p.n), static_cast<long long>(p.k),
           gemm_type_name(p.a.type), gemm_type_name(p.b.type), gemm_type_name(p.d_type),
-          p.bias ? " +bias" : "", p.accumulate ? " accumulate" : "", describe(algo).c_str(),
-          how.c_str());
+          p.bias ? " +bias" : "", p.accumulate ? " accumulate" : "", p.residual ? " +residual" : "",
+          describe(algo).c_str(), how.c_str());
 }
 
 // "timed: candidate 2 of 8 (...), us a call: 901.2 *873.4 ...": the chosen one starred; -1.0
@@ -241,14 +243,15 @@ cublasStatus_t heuristic_candidates(cublasLtHandle_t handle, const Plan& plan, c
   cublasStatus_t st = cublasLtMatmulPreferenceCreate(&pref);
   if (st != CUBLAS_STATUS_SUCCESS) return st;
   const uint64_t ws = p.workspace_size;
-  const uint32_t aa = key.align_b, ab = key.align_a, ad = key.align_d;  // cuBLAS A is our B
+  const uint32_t aa = key.align_b, ab = key.align_a, ac = key.align_c, ad = key.align_d;
+  // (cuBLAS's A is our B)
   const auto set_pref = [&](cublasLtMatmulPreferenceAttributes_t attr, const auto& value) {
     cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof(value));
   };
   set_pref(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ws);
   set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, aa);
   set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, ab);
-  set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, ad);
+  set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, ac);
   set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, ad);
   st = cublasLtMatmulAlgoGetHeuristic(handle, plan.desc, plan.a, plan.b, plan.d, plan.d, pref, max,
                                       results, found);
@@ -453,10 +456,12 @@ std::string gemm_cuda(const GemmParams& p, cudaStream_t stream) {
   key.a_type = static_cast<int>(p.a.type), key.b_type = static_cast<int>(p.b.type);
   key.d_type = static_cast<int>(p.d_type), key.bias_type = static_cast<int>(p.bias_type);
   key.a_t = p.a.transposed, key.b_t = p.b.transposed, key.bias = p.bias != nullptr;
-  key.accumulate = p.accumulate, key.fast_accum = p.fast_accum;
+  key.accumulate = p.accumulate, key.residual = p.residual != nullptr;
+  key.fast_accum = p.fast_accum;
   key.workspace = p.workspace_size;
   key.align_a = alignment(p.a.data), key.align_b = alignment(p.b.data);
   key.align_d = alignment(p.d);
+  key.align_c = p.residual ? alignment(p.residual) : key.align_d;
 
   State& s = state();
   const std::lock_guard<std::mutex> lock(s.mutex);

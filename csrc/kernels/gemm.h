@@ -1,7 +1,7 @@
 // One GEMM entry point for the three GEMMs of a Linear, in row-major terms:
 //
 //   D[M, N] = (a_scale_inv * b_scale_inv) * sum_k A[m, k] * B[n, k]  (+ bias[n])  (+ D if
-//   accumulate)
+//   accumulate, or + residual[m, n])
 //
 // A and B are K-major by default: A stored [M, K], B stored [N, K], K contiguous -- the layout
 // Hopper's FP8 tensor cores take (cuBLASLt "TN"). High-precision operands may instead be stored
@@ -56,6 +56,10 @@ struct GemmParams {
   const void* bias = nullptr;             // [N] or null
   GemmType bias_type = GemmType::kBFloat16;
   bool accumulate = false;  // D += result (beta = 1), e.g. into fp32 main_grad
+  // [M, N] row-major in D's type, added before D's one rounding (beta = 1 with C = residual):
+  // a block's skip connection folded into the GEMM instead of a separate add. Not with
+  // accumulate (that adds D itself).
+  const void* residual = nullptr;
   bool fast_accum = false;
   void* workspace = nullptr;  // CUDA only
   size_t workspace_size = 0;

@@ -58,6 +58,9 @@ std::string gemm_check(const GemmParams& p) {
     err << "GEMM sizes must be non-negative, got M=" << p.m << " N=" << p.n << " K=" << p.k;
   } else if (is_fp8(p.d_type)) {
     err << "GEMM output must be float32, bfloat16 or float16, got " << gemm_type_name(p.d_type);
+  } else if (p.accumulate && p.residual) {
+    err << "a GEMM adds either D itself (accumulate) or a residual, not both; add the residual "
+           "into D first";
   } else if (is_fp8(p.a.type) || is_fp8(p.b.type)) {
     return fp8_rules(p);
   } else if (p.a.type != p.b.type) {

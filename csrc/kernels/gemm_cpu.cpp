@@ -56,6 +56,7 @@ void gemm_cpu(const GemmParams& p) {
       for (int64_t c = 0; c < p.k; ++c) acc += a[i * p.k + c] * b[j * p.k + c];
       if (p.bias) acc += element(p.bias, p.bias_type, j);
       if (p.accumulate) acc += element(p.d, p.d_type, i * p.n + j);
+      if (p.residual) acc += element(p.residual, p.d_type, i * p.n + j);
       store(p.d, p.d_type, i * p.n + j, acc);
     }
   }

@@ -11,9 +11,9 @@
 // not leave registers for the row), and writes them as the band's row of `partial`; a second
 // kernel sums the bands.
 //
-// Traffic per element, bf16: read x 2 + dy 2, write dx 2 = 6 B, plus 16 B per band and column
-// for the partials (written, read back: at most 256 bands up to 32768 rows, so ~8% at
-// [8192, 4096]).
+// Traffic per element, bf16: read x 2 + dy 2 (+ dx_add 2), write dx 2 = 6 B (8 B), plus 16 B per
+// band and column for the partials (written, read back: at most 256 bands up to 32768 rows, so ~8%
+// at [8192, 4096]).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -37,7 +37,7 @@ struct Args {
   NormBackwardParams p;
   int64_t band_rows;
   int64_t bands;
-  bool vec;          // dy, x, dx 16-byte aligned: whole chunks as vector accesses
+  bool vec;          // dy, x, dx (dx_add) 16-byte aligned: whole chunks as vector accesses
   bool vec_gamma;    // gamma 16-byte aligned
   bool vec_partial;  // partial 16-byte aligned
   int ahead;         // rows past the next that a block keeps asked of L2 (0: none)
@@ -271,6 +271,11 @@ __device__ __forceinline__ void backward_row(const Args& a, int64_t r, const Row
       dgamma[j] = mul_rn(dy, xhat);
       dbeta[j] = dy;
     }
+    if (p.dx_add) {
+      const Chunk<T> add = load_chunk(static_cast<const T*>(p.dx_add) + r * h + column(k), a.vec);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) dx[j] = add_rn(dx[j], element(add, j));
+    }
     Chunk<T> out;
     device::round8<T>(dx, out.w);  // from_float<T> of each
     store_chunk(static_cast<T*>(p.dx) + r * h + column(k), out, a.vec);
@@ -428,7 +433,8 @@ cudaError_t norm_backward_cuda(const NormBackwardParams& p, cudaStream_t stream)
   a.p = p;
   a.band_rows = norm_backward_band_rows(p.rows);
   a.bands = norm_backward_bands(p.rows);
-  a.vec = device::aligned(p.x, 16) && device::aligned(p.dy, 16) && device::aligned(p.dx, 16);
+  a.vec = device::aligned(p.x, 16) && device::aligned(p.dy, 16) && device::aligned(p.dx, 16) &&
+          (!p.dx_add || device::aligned(p.dx_add, 16));
   a.vec_gamma = device::aligned(p.gamma, 16);
   a.vec_partial = device::aligned(p.partial, 16);
   if (p.rows > 0) {

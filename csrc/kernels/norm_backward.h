@@ -6,6 +6,7 @@
 //   xhat = (x - mean) * rstd (LayerNorm), x * rstd (RMSNorm)         norm_xhat
 //   g    = dy * gamma
 //   dx   = rstd * ((g - mean_g) - xhat * mean_gx)  (RMSNorm: without "- mean_g")   norm_dx
+//   dx  += dx_add, where given (a skip connection's gradient), before dx's one rounding
 // with mean_g = sum_row(g) / hidden and mean_gx = sum_row(g * xhat) / hidden, and
 //   dgamma[c] = sum over rows of dy * xhat,   dbeta[c] = sum over rows of dy   (LayerNorm)
 //
@@ -62,6 +63,8 @@ TPFP8_HD float norm_dx(float g, float xhat, float rstd, float mean_g, float mean
 // One norm backward over [rows, hidden] (hidden % 16 == 0, hidden <= kNormMaxHidden; rows may
 // be 0, which writes zeros to dgamma / dbeta).
 //   dy, x, dx  [rows, hidden] in `dtype`, dense (any alignment; 16 bytes is the fast path)
+//   dx_add     [rows, hidden] in `dtype`, dense, or nullptr: added to dx (the gradient that
+//              reaches x past the norm, as in x + f(norm(x))), so no separate add kernel runs
 //   mean, rstd [rows] fp32 as norm_cast wrote them (mean: LayerNorm only)
 //   gamma      [hidden] fp32
 //   dgamma, dbeta [hidden] fp32 (nullptr: not computed; dbeta must be for RMSNorm)
@@ -78,6 +81,7 @@ struct NormBackwardParams {
   const float* rstd = nullptr;
   const float* gamma = nullptr;
   void* dx = nullptr;
+  const void* dx_add = nullptr;
   float* dgamma = nullptr;
   float* dbeta = nullptr;
   float* partial = nullptr;

@@ -60,6 +60,7 @@ void backward_typed(const NormBackwardParams& p) {
   const T* dy = static_cast<const T*>(p.dy);
   const T* x = static_cast<const T*>(p.x);
   T* dx = static_cast<T*>(p.dx);
+  const T* dx_add = static_cast<const T*>(p.dx_add);
   const int64_t h = p.hidden, band_rows = norm_backward_band_rows(p.rows);
   const int64_t bands = norm_backward_bands(p.rows);
   const bool ln = p.norm == NormType::kLayerNorm;
@@ -91,7 +92,8 @@ void backward_typed(const NormBackwardParams& p) {
       for (int64_t c = 0; c < h; ++c) {
         const float xhat = norm_xhat(xr[c], mean, rstd, p.norm);
         const float g = mul_rn(dyr[c], p.gamma[c]);
-        dx[r * h + c] = from_float<T>(norm_dx(g, xhat, rstd, mean_g, mean_gx, p.norm));
+        const float d = norm_dx(g, xhat, rstd, mean_g, mean_gx, p.norm);
+        dx[r * h + c] = from_float<T>(dx_add ? add_rn(d, to_float(dx_add[r * h + c])) : d);
         if (dg) dg[c] = add_rn(dg[c], mul_rn(dyr[c], xhat));
         if (db) db[c] = add_rn(db[c], dyr[c]);
       }

@@ -33,7 +33,7 @@ for _name in _WRITERS:
 
 
 @torch.library.register_fake("tpfp8::norm_backward")
-def _norm_backward(dy, x, mean, rstd, gamma, rms_norm):
+def _norm_backward(dy, x, mean, rstd, gamma, rms_norm, dx_add=None):
     dbeta = gamma.new_empty(0) if rms_norm else gamma.new_empty(gamma.shape)
     return x.new_empty(x.shape), gamma.new_empty(gamma.shape), dbeta
 

@@ -320,15 +320,18 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = None
          b_scale_inv: Optional[torch.Tensor] = None, a_format=None, b_format=None,
          bias: Optional[torch.Tensor] = None, accumulate: bool = False,
          fast_accum: bool = False, a_transposed: bool = False,
-         b_transposed: bool = False) -> torch.Tensor:
-    """``D[M, N] = (a_scale_inv * b_scale_inv) * A . B^T (+ bias) (+ D if accumulate)``.
+         b_transposed: bool = False, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``D[M, N] = (a_scale_inv * b_scale_inv) * A . B^T (+ bias) (+ D if accumulate, or
+    + residual)``.
 
     ``A`` is ``[M, K]`` and ``B`` is ``[N, K]`` (both K-major; for high-precision operands,
     ``a_transposed`` / ``b_transposed`` take ``[K, M]`` / ``[K, N]`` instead). FP8 operands are
     uint8 codes with ``a_format``/``b_format`` (or ``torch.float8_*`` tensors) and a one-element
     fp32 ``scale_inv``; K and N must then be multiples of 16. Accumulation is fp32;
     ``fast_accum`` allows reduced-precision accumulation in FP8 kernels (for fprop).
-    ``accumulate=True`` adds into ``out`` (e.g. an fp32 ``main_grad``).
+    ``accumulate=True`` adds into ``out`` (e.g. an fp32 ``main_grad``); ``residual``, a
+    contiguous ``[M, N]`` tensor of the output's dtype that does not share ``out``'s memory, is
+    added before the output's one rounding (a skip connection in the GEMM's epilogue).
     """
     a_type, b_type = _gemm_type(a, a_format), _gemm_type(b, b_format)
     if out is None:
@@ -338,7 +341,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = None
         n = b.shape[1] if b_transposed else b.shape[0]
         out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     _ops.gemm(_as_codes(a), _as_codes(b), out, a_scale_inv, b_scale_inv, a_type, b_type, bias,
-              accumulate, fast_accum, a_transposed, b_transposed)
+              accumulate, fast_accum, a_transposed, b_transposed, residual)
     return out
 
 
@@ -410,11 +413,13 @@ def norm_cast_current(x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch
 
 
 def norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: Optional[torch.Tensor],
-                  rstd: torch.Tensor, gamma: torch.Tensor, rms_norm: bool = False):
+                  rstd: torch.Tensor, gamma: torch.Tensor, rms_norm: bool = False,
+                  dx_add: Optional[torch.Tensor] = None):
     """Backward of :func:`norm_cast`'s norm from its saved ``mean`` (LayerNorm; None for
     RMSNorm) and ``rstd``: ``(dx [M, H] in x's dtype, dgamma [H], dbeta [H] or None for
     RMSNorm)`` in gamma's dtype, computed in fp32 by one kernel pass over x and dy; dgamma and
     dbeta are summed in a fixed order, so the result is the same bytes every run and on CPU and
-    GPU."""
-    dx, dgamma, dbeta = _ops.norm_backward(dy, x, mean, rstd, gamma, bool(rms_norm))
+    GPU. ``dx_add`` (x's dtype and shape), the gradient that reaches x past the norm (as in
+    ``x + f(norm(x))``), is added to dx in the same pass, before dx is rounded."""
+    dx, dgamma, dbeta = _ops.norm_backward(dy, x, mean, rstd, gamma, bool(rms_norm), dx_add)
     return dx, dgamma, None if rms_norm else dbeta
