@@ -77,13 +77,20 @@ PYBIND11_MODULE(_C, m) {
          double epsilon, int64_t weight_cache, bool save_original_input, int64_t parallel_mode,
          bool sequence_parallel, const std::string& group_name, std::vector<int64_t> debug,
          const OptTensor& prologue_weight, const OptTensor& prologue_bias, int64_t prologue,
-         double prologue_eps) {
+         double prologue_eps, const OptTensor& residual) {
         checked_forward_call(x, weight, bias, scale, amax_history, cache_rowwise, cache_columnwise,
                              cache_scale_inv, main_grad, scaling, fwd_format, grad_format, epsilon,
                              weight_cache, save_original_input, parallel_mode, sequence_parallel,
                              group_name, debug, prologue_weight, prologue_bias, prologue,
-                             prologue_eps);
+                             prologue_eps, residual);
       },
+      py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("scale"), py::arg("amax_history"),
+      py::arg("cache_rowwise"), py::arg("cache_columnwise"), py::arg("cache_scale_inv"),
+      py::arg("main_grad"), py::arg("scaling"), py::arg("fwd_format"), py::arg("grad_format"),
+      py::arg("epsilon"), py::arg("weight_cache"), py::arg("save_original_input"),
+      py::arg("parallel_mode"), py::arg("sequence_parallel"), py::arg("group_name"),
+      py::arg("debug"), py::arg("prologue_weight"), py::arg("prologue_bias"), py::arg("prologue"),
+      py::arg("prologue_eps"), py::arg("residual") = py::none(),
       "Raises ValueError unless linear_forward can run these arguments (its fake kernel's check)");
   m.def("set_forward_vetted", &set_forward_vetted, py::arg("vetted"),
         "Marks this thread's next Linear forward ops as checked by the module inside a backward "

@@ -12,11 +12,12 @@
 namespace tpfp8 {
 namespace {
 
-// out = A . B^T (+ bias) (+ out)
+// out = A . B^T (+ bias) (+ out, or + residual)
 at::Tensor run_gemm(const Operand& a, const Operand& b, at::Tensor out, const OptTensor& bias,
-                    bool fast_accum, bool accumulate = false) {
+                    bool fast_accum, bool accumulate = false,
+                    const OptTensor& residual = std::nullopt) {
   gemm(a.data, b.data, out, a.scale_inv, b.scale_inv, a.type, b.type, bias, accumulate, fast_accum,
-       a.transposed, b.transposed);
+       a.transposed, b.transposed, residual);
   return out;
 }
 
@@ -102,11 +103,40 @@ int64_t output_dim0(int64_t x_dim0, const LinearConfig& c) {
   return c.parallel_mode == ParallelMode::kColumn ? x_dim0 * tp : x_dim0 / tp;
 }
 
+namespace {
+
+// The output's shape for input `x`: x's, the last dimension n, dim 0 as sequence parallelism
+// leaves it.
+std::vector<int64_t> output_shape(const at::Tensor& x, int64_t n, const LinearConfig& c) {
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = n;
+  shape[0] = output_dim0(shape[0], c);
+  return shape;
+}
+
+void check_residual(const at::Tensor& residual, const at::Tensor& x, int64_t n,
+                    const LinearConfig& c) {
+  const std::vector<int64_t> shape = output_shape(x, n, c);
+  TORCH_CHECK_VALUE(residual.sizes() == at::IntArrayRef(shape) &&
+                        residual.scalar_type() == x.scalar_type() &&
+                        residual.device() == x.device(),
+                    "residual is added to the output, so it must be ", x.scalar_type(),
+                    " of the "
+                    "output's shape ",
+                    at::IntArrayRef(shape), " on ", x.device(), ", got ", residual.scalar_type(),
+                    " of shape ", residual.sizes(), " on ", residual.device(),
+                    "; convert it, or add it after the call (under "
+                    "torch.autocast the output has the autocast dtype)");
+}
+
+}  // namespace
+
 // The one check of a Linear call's arguments (the fake kernels call it too): each failure is a
 // ValueError that says what was given and how to fix it.
 void check_inputs(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
                   const LinearConfig& c, const DelayedState& state, const WeightCacheBuffers& cache,
-                  const OptTensor& main_grad, const PrologueArgs& prologue) {
+                  const OptTensor& main_grad, const PrologueArgs& prologue,
+                  const OptTensor& residual) {
   TORCH_CHECK_VALUE(weight.dim() == 2, "Linear weight must be 2-D [out, in], got ", weight.sizes());
   const int64_t n = weight.size(0), k = weight.size(1), k_in = prologue.input_cols(k);
   const bool row = c.parallel_mode == ParallelMode::kRow;
@@ -189,6 +219,7 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, const OptTensor
                       " is not divisible by the tensor-parallel group size ", tp,
                       "; pad the sequence");
   }
+  if (residual) check_residual(*residual, x, n, c);
 }
 
 namespace {
@@ -350,7 +381,9 @@ void prologue_grads(Grads& out, const SavedForBackward& s, const LinearConfig& c
     out.dx = at::Tensor();
     return;
   }
-  PrologueGrads g = prologue_backward(dy.contiguous(), x, s.prologue, s.stats);
+  const OptTensor input_grad =
+      s.input_grad.defined() ? OptTensor(as_matrix(s.input_grad, x.size(1))) : std::nullopt;
+  PrologueGrads g = prologue_backward(dy.contiguous(), x, s.prologue, s.stats, input_grad);
   if (s.prologue.norm() && gathers_input(c)) {
     all_reduce(g.dweight, *c.tp_group, c10d::ReduceOp::SUM);
     if (s.prologue.bias) all_reduce(g.dbias, *c.tp_group, c10d::ReduceOp::SUM);
@@ -365,7 +398,8 @@ void prologue_grads(Grads& out, const SavedForBackward& s, const LinearConfig& c
 ForwardResult linear_forward(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
                              const LinearConfig& c, const DelayedState& state,
                              const WeightCacheBuffers& cache, bool need_dgrad, bool need_wgrad,
-                             const PrologueArgs& prologue, bool keep_prologue_output) {
+                             const PrologueArgs& prologue, bool keep_prologue_output,
+                             const OptTensor& residual) {
   const int64_t n = weight.size(0), k = weight.size(1);
   ForwardResult out;
   const auto xq = make_quantizer(c, state, kInput), wq = make_quantizer(c, state, kWeight);
@@ -383,9 +417,9 @@ ForwardResult linear_forward(const at::Tensor& x, const at::Tensor& weight, cons
       out.w_scale_inv = w.q.scale_inv;
     }
   }
-  // 3. fprop. The bias is fused in the epilogue except where an FP8 GEMM writes fp32 (its
-  //    epilogue takes a 16-bit bias) and under row parallelism (it is added once, after the
-  //    reduction).
+  // 3. fprop. The bias and the residual are fused in the epilogue, except under row parallelism
+  //    (each is added once, after the reduction) and where an FP8 GEMM writes fp32 (its
+  //    epilogue takes a 16-bit bias).
   const auto [x_op, w_op] =
       operands(Gemm::kFprop, {&in, xq.get(), false}, {&w, wq.get(), false}, x.scalar_type());
   at::Tensor y = at::empty({x_op.data.size(0), n}, x.options());
@@ -393,19 +427,19 @@ ForwardResult linear_forward(const at::Tensor& x, const at::Tensor& weight, cons
   const bool fuse_bias = bias && !row && !(x_op.scale_inv && y.scalar_type() == at::kFloat);
   // (The epilogue reads a contiguous bias; nn.Linear takes any, so a strided one is copied.)
   run_gemm(x_op, w_op, y,
-           fuse_bias ? OptTensor(bias->to(y.scalar_type()).contiguous()) : std::nullopt, c.fp8());
-  // 4. Row parallel: sum the partial outputs over the group.
+           fuse_bias ? OptTensor(bias->to(y.scalar_type()).contiguous()) : std::nullopt, c.fp8(),
+           false, residual && !row ? OptTensor(as_matrix(*residual, n)) : std::nullopt);
+  // 4. Row parallel: sum the partial outputs over the group. (Folding the residual into one
+  //    rank's epilogue would need it whole there; under SP each rank holds its rows only.)
   if (row && c.sequence_parallel) {
     y = reduce_scatter_rows(y, *c.tp_group);
   } else if (row) {
     all_reduce(y, *c.tp_group, c10d::ReduceOp::SUM);
   }
   if (bias && !fuse_bias) y.add_(bias->to(y.scalar_type()));
+  if (residual && row) y.add_(as_matrix(*residual, n));
 
-  std::vector<int64_t> out_shape = x.sizes().vec();
-  out_shape.back() = n;
-  out_shape[0] = output_dim0(out_shape[0], c);
-  out.y = shaped(y, out_shape);
+  out.y = shaped(y, output_shape(x, n, c));
   // Empty placeholders where backward needs nothing (an op returns tensors, not None).
   for (at::Tensor* t : {&out.x_fp8, &out.w_fp8}) {
     if (!t->defined()) *t = nothing(x, at::kByte);

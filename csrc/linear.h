@@ -12,6 +12,12 @@
 //             W.main_grad or dW
 //             db = sum over M of dy              (fused into dy's cast where dy has one)
 //
+// A `residual` (the output's shape and dtype) is added to y: in fprop's epilogue, before y's
+// one rounding (beta = 1 with C = residual), or after the reduction under row parallelism --
+// a block's skip connection without a separate add kernel. Its gradient is dy itself; where
+// the residual is the input of a norm prologue (x + f(norm(x))), backward adds dy to dx in the
+// norm backward's pass (`SavedForBackward::input_grad`) instead of in a separate kernel.
+//
 // A fused module's Linear runs a prologue (a norm, an activation) on its input first; in FP8
 // (not debugging, not save_original_input) the prologue's kernel writes the FP8 input itself,
 // and backward runs the prologue's backward on dgrad's output.
@@ -90,7 +96,8 @@ int64_t output_dim0(int64_t x_dim0, const LinearConfig& c);
 // Raises ValueError (what was given, how to fix it) unless the forward can run these arguments.
 void check_inputs(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
                   const LinearConfig& c, const DelayedState& state, const WeightCacheBuffers& cache,
-                  const OptTensor& main_grad, const PrologueArgs& prologue = {});
+                  const OptTensor& main_grad, const PrologueArgs& prologue = {},
+                  const OptTensor& residual = std::nullopt);
 
 // The forward op's arguments as the C++ forward takes them, checked (check_inputs). The op
 // and its fake kernel (for torch.compile and the meta device) both call this.
@@ -108,7 +115,7 @@ ForwardCall checked_forward_call(
     bool save_original_input, int64_t parallel_mode, bool sequence_parallel,
     const std::string& group_name, at::IntArrayRef debug,
     const OptTensor& prologue_weight = std::nullopt, const OptTensor& prologue_bias = std::nullopt,
-    int64_t prologue = 0, double prologue_eps = 0.0);
+    int64_t prologue = 0, double prologue_eps = 0.0, const OptTensor& residual = std::nullopt);
 
 struct ForwardResult {
   at::Tensor y;
@@ -125,7 +132,8 @@ struct ForwardResult {
 ForwardResult linear_forward(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
                              const LinearConfig& c, const DelayedState& state,
                              const WeightCacheBuffers& cache, bool need_dgrad, bool need_wgrad,
-                             const PrologueArgs& prologue = {}, bool keep_prologue_output = false);
+                             const PrologueArgs& prologue = {}, bool keep_prologue_output = false,
+                             const OptTensor& residual = std::nullopt);
 
 // What forward kept, as backward takes it.
 struct SavedForBackward {
@@ -140,6 +148,9 @@ struct SavedForBackward {
   PrologueArgs prologue;
   PrologueStats stats;
   at::Tensor prologue_output_grad;
+  // With a norm prologue: added to dx in the norm backward's pass (the gradient reaching the
+  // prologue's input past the layer, a skip connection's: x's shape and dtype), if defined.
+  at::Tensor input_grad;
 };
 struct Grads {
   // Empty placeholders where not asked for (dw: also when fused into main_grad; the

@@ -27,7 +27,7 @@ using ForwardOp = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at:
     const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&,
     const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, int64_t, int64_t,
     int64_t, double, int64_t, bool, int64_t, bool, c10::string_view, at::IntArrayRef, bool, bool,
-    const OptTensor&, const OptTensor&, int64_t, double, bool);
+    const OptTensor&, const OptTensor&, int64_t, double, bool, const OptTensor&);
 using BackwardOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                                    at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using BackwardOp = BackwardOutputs(
@@ -37,7 +37,7 @@ using BackwardOp = BackwardOutputs(
     c10::SymIntArrayRef, at::ScalarType, std::optional<at::ScalarType>, bool, bool,
     const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
     int64_t, const OptTensor&, const OptTensor&, const OptTensor&, bool, bool, bool,
-    const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&);
+    const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&);
 
 const c10::TypedOperatorHandle<ForwardOp>& forward_op() {
   static const auto op = c10::Dispatcher::singleton()
@@ -128,7 +128,8 @@ std::pair<Params, Layer> parse_layer(const torch::jit::Stack& stack, size_t i) {
 
 using ForwardOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                                   at::Tensor, at::Tensor, at::Tensor>;
-ForwardOutputs run_forward(const at::Tensor& x, const Params& p, const Layer& l) {
+ForwardOutputs run_forward(const at::Tensor& x, const Params& p, const Layer& l,
+                           const OptTensor& residual = std::nullopt) {
   const Config& c = l.c;
   // A checkpoint's recompute casts with its first forward's scales and records no amax.
   return forward_op().call(
@@ -136,18 +137,19 @@ ForwardOutputs run_forward(const at::Tensor& x, const Params& p, const Layer& l)
       l.cache_rowwise, l.cache_columnwise, l.cache_scale_inv, l.main_grad, c.scaling, c.fwd_format,
       c.grad_format, c.epsilon, c.weight_cache, c.save_original_input, c.parallel_mode,
       c.sequence_parallel, c.group_name, c.debug, c.need_dgrad, c.need_wgrad, p.prologue_weight,
-      p.prologue_bias, c.prologue, c.prologue_eps, c.keep_prologue_output);
+      p.prologue_bias, c.prologue, c.prologue_eps, c.keep_prologue_output, residual);
 }
 
 // A layer's arguments checked as its forward op checks them, before anything runs.
-ForwardCall checked(const at::Tensor& x, const Params& p, const Layer& l) {
+ForwardCall checked(const at::Tensor& x, const Params& p, const Layer& l,
+                    const OptTensor& residual = std::nullopt) {
   const Config& c = l.c;
   return checked_forward_call(
       x, p.weight, p.bias, l.replay ? l.replay : l.scale, l.replay ? OptTensor() : l.amax_history,
       l.cache_rowwise, l.cache_columnwise, l.cache_scale_inv, l.main_grad, c.scaling, c.fwd_format,
       c.grad_format, c.epsilon, c.weight_cache, c.save_original_input, c.parallel_mode,
       c.sequence_parallel, c.group_name, c.debug, p.prologue_weight, p.prologue_bias, c.prologue,
-      c.prologue_eps);
+      c.prologue_eps, residual);
 }
 
 // Both layers of an MLP checked before fc1 runs, fc2 against a stand-in for fc1's output (its
@@ -155,13 +157,13 @@ ForwardCall checked(const at::Tensor& x, const Params& p, const Layer& l) {
 // (the amax its cast records) as it was.
 // (Traced with symbolic shapes, the fake kernels check the two in turn, and nothing is written.)
 void check_mlp(const at::Tensor& x, const Params& p1, const Layer& l1, const Params& p2,
-               const Layer& l2) {
+               const Layer& l2, const OptTensor& residual) {
   if (x.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return;
   const ForwardCall first = checked(x, p1, l1);
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = p1.weight.size(0);
   shape.front() = output_dim0(shape.front(), first.c);
-  checked(x.detach().as_strided(shape, std::vector<int64_t>(shape.size(), 0)), p2, l2);
+  checked(x.detach().as_strided(shape, std::vector<int64_t>(shape.size(), 0)), p2, l2, residual);
 }
 
 struct Saved : torch::CustomClassHolder {
@@ -200,8 +202,10 @@ struct LayerForward {
   c10::intrusive_ptr<Saved> s;
 };
 LayerForward layer_forward(const at::Tensor& x, const Params& p, const Layer& l, bool need_dx,
-                           std::vector<at::Tensor>& to_save) {
-  auto [y, x_fp8, x_scale_inv, w_fp8, w_scale_inv, x_hp, mean, rstd] = run_forward(x, p, l);
+                           std::vector<at::Tensor>& to_save,
+                           const OptTensor& residual = std::nullopt) {
+  auto [y, x_fp8, x_scale_inv, w_fp8, w_scale_inv, x_hp, mean, rstd] =
+      run_forward(x, p, l, residual);
   const Config& c = l.c;
   if (c.weight_cache != 0) {  // the cache is backward's FP8 weight
     w_fp8 = *l.cache_columnwise;
@@ -245,8 +249,8 @@ struct Handoff {
 
 // A layer's backward from `saved` (its kSavedPerLayer tensors from `first` on).
 BackwardOutputs layer_backward(const at::Tensor& dy, const variable_list& saved, size_t first,
-                               const Saved& s, const OptTensor& output_grad,
-                               const Handoff& h = {}) {
+                               const Saved& s, const OptTensor& output_grad, const Handoff& h = {},
+                               const OptTensor& input_grad = std::nullopt) {
   const Config& c = s.c;
   const auto at = [&](size_t i, bool wanted = true) {
     return saved_or_none(saved, first + i, wanted);
@@ -260,7 +264,7 @@ BackwardOutputs layer_backward(const at::Tensor& dy, const variable_list& saved,
       at(kPrologueInput), at(kPrologueWeightSaved), s.prologue_bias,
       at(kMean, c.prologue_kind() == Prologue::kLayerNorm), at(kRstd, c.norm()), c.prologue,
       output_grad, h.scale, h.grad_amax_history, h.rowwise, h.columnwise, h.dbias, h.dy_rowwise,
-      h.dy_columnwise, h.dy_scale_inv, h.dy_dbias);
+      h.dy_columnwise, h.dy_scale_inv, h.dy_dbias, input_grad);
 }
 
 // A layer's gradients into `out`, at the positions of its differentiable inputs (x, weight,
@@ -292,14 +296,37 @@ OptTensor returned_output_grad(const Config& c, const at::Tensor& grad) {
   return c.keep_prologue_output && grad.defined() ? OptTensor(grad) : std::nullopt;
 }
 
+// How an op's `residual` (added to its output) gets its gradient, which is dy itself: handed
+// back as the residual's (kPassed), or, where the residual is the input x of a norm prologue
+// whose backward runs (x + f(norm(x))), added to dx in the norm backward's own pass (kFolded:
+// autograd then has one gradient of x to take, not two to add in a kernel of their own).
+enum class Residual : int64_t { kNone, kPassed, kFolded };
+void keep_residual(AutogradContext* ctx, const OptTensor& residual, const at::Tensor& x,
+                   bool norm_backward_runs) {
+  Residual r = Residual::kNone;
+  if (residual && residual->requires_grad()) {
+    r = residual->is_same(x) && norm_backward_runs ? Residual::kFolded : Residual::kPassed;
+  }
+  ctx->saved_data["residual"] = static_cast<int64_t>(r);
+}
+Residual kept_residual(AutogradContext* ctx) {
+  return static_cast<Residual>(ctx->saved_data["residual"].toInt());
+}
+// The gradient the norm backward adds to dx (kFolded), where one came.
+OptTensor folded_grad(Residual r, const at::Tensor& grad) {
+  return r == Residual::kFolded && grad.defined() ? OptTensor(grad) : std::nullopt;
+}
+
 struct LinearAutograd : torch::autograd::Function<LinearAutograd> {
   // (y, the prologue's output where asked for, else empty)
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                                const OptTensor& bias, const OptTensor& prologue_weight,
-                               const OptTensor& prologue_bias, const Layer& l) {
+                               const OptTensor& prologue_bias, const OptTensor& residual,
+                               const Layer& l) {
     std::vector<at::Tensor> to_save;
     LayerForward f = layer_forward(x, {weight, bias, prologue_weight, prologue_bias}, l,
-                                   x.requires_grad(), to_save);
+                                   x.requires_grad(), to_save, residual);
+    keep_residual(ctx, residual, x, l.c.norm() && x.requires_grad());
     ctx->save_for_backward(to_save);
     ctx->set_materialize_grads(false);
     if (!l.c.keep_prologue_output) ctx->mark_non_differentiable({f.x_hp});
@@ -312,16 +339,27 @@ struct LinearAutograd : torch::autograd::Function<LinearAutograd> {
     const auto saved = ctx->get_saved_variables();
     // Grad mode on inside backward means create_graph=True (double backward).
     const at::Tensor dy = output_grad(grads[0], *s);
-    if (at::GradMode::is_enabled()) return differentiable_backward(dy, saved, *s);
-    const auto g = layer_backward(dy, saved, 0, *s, returned_output_grad(s->c, grads[1]));
-    variable_list out(kInputs);
-    place_grads(g, *s, out, {0, 1, 2, 3, 4});
+    const Residual residual = kept_residual(ctx);
+    variable_list out = at::GradMode::is_enabled()
+                            ? differentiable_backward(dy, saved, *s)
+                            : backward_of(dy, saved, *s, grads[1], folded_grad(residual, grads[0]));
+    if (residual == Residual::kPassed) out[kResidual] = grads[0];
     return out;
   }
 
-  static constexpr size_t kInputs = 6;  // forward's arguments after ctx: a gradient (or none) each
+  static constexpr size_t kInputs = 7;  // forward's arguments after ctx: a gradient (or none) each
+  static constexpr size_t kResidual = 5;
 
  private:
+  static variable_list backward_of(const at::Tensor& dy, const variable_list& saved, const Saved& s,
+                                   const at::Tensor& norm_output_grad,
+                                   const OptTensor& input_grad) {
+    const auto g = layer_backward(dy, saved, 0, s, returned_output_grad(s.c, norm_output_grad), {},
+                                  input_grad);
+    variable_list out(kInputs);
+    place_grads(g, s, out, {0, 1, 2, 3, 4});
+    return out;
+  }
   static variable_list differentiable_backward(const at::Tensor& dy, const variable_list& saved,
                                                const Saved& s);
 };
@@ -367,11 +405,15 @@ struct MlpAutograd : torch::autograd::Function<MlpAutograd> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w1,
                                const OptTensor& b1, const OptTensor& norm_weight,
                                const OptTensor& norm_bias, const at::Tensor& w2,
-                               const OptTensor& b2, const Layer& fc1, const Layer& fc2) {
+                               const OptTensor& b2, const OptTensor& residual, const Layer& fc1,
+                               const Layer& fc2) {
     std::vector<at::Tensor> to_save;
     LayerForward f1 =
         layer_forward(x, {w1, b1, norm_weight, norm_bias}, fc1, x.requires_grad(), to_save);
-    LayerForward f2 = layer_forward(f1.y, {w2, b2, {}, {}}, fc2, fc2.c.need_dgrad, to_save);
+    LayerForward f2 =
+        layer_forward(f1.y, {w2, b2, {}, {}}, fc2, fc2.c.need_dgrad, to_save, residual);
+    // (fc1's backward, and its norm's, run only when fc2's dgrad does)
+    keep_residual(ctx, residual, x, fc1.c.norm() && x.requires_grad() && fc2.c.need_dgrad);
     ctx->save_for_backward(to_save);
     ctx->set_materialize_grads(false);
     if (!fc1.c.keep_prologue_output) ctx->mark_non_differentiable({f1.x_hp});
@@ -391,9 +433,12 @@ struct MlpAutograd : torch::autograd::Function<MlpAutograd> {
       give = {s1->scale, s1->grad_amax_history, s1->need_dgrad(), s1->need_wgrad(), s1->need_db};
     }
     const at::Tensor dy = output_grad(grads[0], *s2);
+    const Residual residual = kept_residual(ctx);
+    if (residual == Residual::kPassed) out[7] = grads[0];
     const auto g2 = layer_backward(dy, saved, kSavedPerLayer, *s2, std::nullopt, give);
     place_grads(g2, *s2, out, {-1, 5, 6, -1, -1});  // (forward's w2, b2; fc2's x is internal)
     const OptTensor norm_grad = returned_output_grad(s1->c, grads[1]);
+    const OptTensor input_grad = folded_grad(residual, grads[0]);
     if (!s2->need_dx) return out;
     BackwardOutputs g1;
     if (give.rowwise || give.columnwise) {
@@ -406,15 +451,15 @@ struct MlpAutograd : torch::autograd::Function<MlpAutograd> {
       if (s1->need_db) take.dy_dbias = std::get<8>(g2);
       // (dy itself is FP8 here: an empty tensor says where and in what dtype)
       const at::Tensor where = dy.new_empty({0}, dy.options().dtype(s1->x_dtype));
-      g1 = layer_backward(where, saved, 0, *s1, norm_grad, take);
+      g1 = layer_backward(where, saved, 0, *s1, norm_grad, take, input_grad);
     } else {
-      g1 = layer_backward(std::get<0>(g2), saved, 0, *s1, norm_grad);
+      g1 = layer_backward(std::get<0>(g2), saved, 0, *s1, norm_grad, {}, input_grad);
     }
     place_grads(g1, *s1, out, {0, 1, 2, 3, 4});
     return out;
   }
 
-  static constexpr size_t kInputs = 9;
+  static constexpr size_t kInputs = 10;
 };
 
 // The ops' kernels, boxed (each call parses its layers' arguments from the stack): with
@@ -423,19 +468,20 @@ template <bool kAutograd>
 void linear_kernel(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   const at::Tensor x = (*stack)[0].toTensor();
   auto [p, l] = parse_layer(*stack, 1);
+  const OptTensor residual = optional_tensor((*stack)[1 + kLayerArgs]);
   at::Tensor y, x_hp;
   if constexpr (kAutograd) {
     const variable_list out =
-        LinearAutograd::apply(x, p.weight, p.bias, p.prologue_weight, p.prologue_bias, l);
+        LinearAutograd::apply(x, p.weight, p.bias, p.prologue_weight, p.prologue_bias, residual, l);
     y = out[0];
     x_hp = out[1];
   } else {
     l.c.need_dgrad = l.c.need_wgrad = false;
-    const auto r = run_forward(x, p, l);
+    const auto r = run_forward(x, p, l, residual);
     y = std::get<0>(r);
     x_hp = std::get<5>(r);
   }
-  torch::jit::drop(*stack, 1 + kLayerArgs);
+  torch::jit::drop(*stack, 2 + kLayerArgs);
   torch::jit::push(*stack, y, x_hp);
 }
 
@@ -446,30 +492,33 @@ void mlp_kernel(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   auto [p2, l2] = parse_layer(*stack, 1 + kLayerArgs);
   TORCH_CHECK_VALUE(!p2.prologue_weight && !p2.prologue_bias,
                     "mlp: fc2's prologue is an activation, which takes no weight or bias");
-  check_mlp(x, p1, l1, p2, l2);
+  const OptTensor residual = optional_tensor((*stack)[1 + 2 * kLayerArgs]);
+  check_mlp(x, p1, l1, p2, l2, residual);
   at::Tensor y, x_hp;
   if constexpr (kAutograd) {
-    const variable_list out = MlpAutograd::apply(x, p1.weight, p1.bias, p1.prologue_weight,
-                                                 p1.prologue_bias, p2.weight, p2.bias, l1, l2);
+    const variable_list out =
+        MlpAutograd::apply(x, p1.weight, p1.bias, p1.prologue_weight, p1.prologue_bias, p2.weight,
+                           p2.bias, residual, l1, l2);
     y = out[0];
     x_hp = out[1];
   } else {
     for (Layer* l : {&l1, &l2}) l->c.need_dgrad = l->c.need_wgrad = false;
     const auto r1 = run_forward(x, p1, l1);
-    y = std::get<0>(run_forward(std::get<0>(r1), p2, l2));
+    y = std::get<0>(run_forward(std::get<0>(r1), p2, l2, residual));
     x_hp = std::get<5>(r1);
   }
-  torch::jit::drop(*stack, 1 + 2 * kLayerArgs);
+  torch::jit::drop(*stack, 2 + 2 * kLayerArgs);
   torch::jit::push(*stack, y, x_hp);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
-  const std::string linear =
-      "linear(Tensor x, " + layer_schema("", "abcdef", true) + ") -> (Tensor, Tensor)";
+  const std::string linear = "linear(Tensor x, " + layer_schema("", "abcdef", true) +
+                             ", Tensor? residual=None) -> (Tensor, Tensor)";
   const std::string mlp = "mlp(Tensor x, " + layer_schema("fc1_", "abcdef", false) + ", " +
-                          layer_schema("fc2_", "ghijkl", false) + ") -> (Tensor, Tensor)";
+                          layer_schema("fc2_", "ghijkl", false) +
+                          ", Tensor? residual=None) -> (Tensor, Tensor)";
   m.def(linear.c_str());
   m.def(mlp.c_str());
 }

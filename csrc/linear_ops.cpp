@@ -34,16 +34,17 @@ ForwardOutputs forward_op(const at::Tensor& x, const at::Tensor& weight, const O
                           bool sequence_parallel, c10::string_view group_name,
                           at::IntArrayRef debug, bool need_dgrad, bool need_wgrad,
                           const OptTensor& prologue_weight, const OptTensor& prologue_bias,
-                          int64_t prologue, double prologue_eps, bool keep_prologue_output) {
+                          int64_t prologue, double prologue_eps, bool keep_prologue_output,
+                          const OptTensor& residual) {
   check_forward_outside_backward_or_vetted(amax_history.has_value());
   // Every check runs before any state (amax history, caches) is touched.
   const ForwardCall call = checked_forward_call(
       x, weight, bias, scale, amax_history, cache_rowwise, cache_columnwise, cache_scale_inv,
       main_grad, scaling, fwd_format, grad_format, epsilon, weight_cache, save_original_input,
       parallel_mode, sequence_parallel, std::string(group_name), debug, prologue_weight,
-      prologue_bias, prologue, prologue_eps);
+      prologue_bias, prologue, prologue_eps, residual);
   ForwardResult r = linear_forward(x, weight, bias, call.c, call.state, call.cache, need_dgrad,
-                                   need_wgrad, call.prologue, keep_prologue_output);
+                                   need_wgrad, call.prologue, keep_prologue_output, residual);
   return {r.y, r.x_fp8, r.x_scale_inv, r.w_fp8, r.w_scale_inv, r.x_hp, r.mean, r.rstd};
 }
 
@@ -60,7 +61,8 @@ BackwardOutputs backward_op(
     const OptTensor& rstd, int64_t prologue, const OptTensor& prologue_output_grad,
     const OptTensor& handoff_scale, const OptTensor& handoff_grad_amax_history,
     bool handoff_rowwise, bool handoff_columnwise, bool handoff_dbias, const OptTensor& dy_rowwise,
-    const OptTensor& dy_columnwise, const OptTensor& dy_scale_inv, const OptTensor& dy_dbias) {
+    const OptTensor& dy_columnwise, const OptTensor& dy_scale_inv, const OptTensor& dy_dbias,
+    const OptTensor& input_grad) {
   const LinearConfig c =
       linear_config(scaling, fwd_format, grad_format, epsilon, 0, save_original_input,
                     parallel_mode, sequence_parallel, std::string(group_name), debug);
@@ -74,6 +76,17 @@ BackwardOutputs backward_op(
     saved.prologue_input = *prologue_input;
     saved.stats = {mean.value_or(at::Tensor()), rstd.value_or(at::Tensor())};
     saved.prologue_output_grad = prologue_output_grad.value_or(at::Tensor());
+  }
+  if (input_grad) {
+    TORCH_CHECK_VALUE(saved.prologue.norm() && need_dgrad,
+                      "input_grad (a skip connection's gradient) is added in a norm prologue's "
+                      "backward: it needs prologue LayerNorm or RMSNorm and need_dgrad=True");
+    TORCH_CHECK_VALUE(input_grad->sizes() == saved.prologue_input.sizes() &&
+                          input_grad->scalar_type() == saved.prologue_input.scalar_type(),
+                      "input_grad must be ", saved.prologue_input.scalar_type(),
+                      " of the prologue input's shape ", saved.prologue_input.sizes(), ", got ",
+                      input_grad->scalar_type(), " of shape ", input_grad->sizes());
+    saved.input_grad = *input_grad;
   }
   GradHandoff handoff{
       {handoff_scale.value_or(at::Tensor()), {}, handoff_grad_amax_history.value_or(at::Tensor())},
@@ -135,14 +148,17 @@ constexpr char kBackwardName[] = "tpfp8::linear_backward";
 
 }  // namespace
 
-ForwardCall checked_forward_call(
-    const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, const OptTensor& scale,
-    const OptTensor& amax_history, const OptTensor& cache_rowwise,
-    const OptTensor& cache_columnwise, const OptTensor& cache_scale_inv, const OptTensor& main_grad,
-    int64_t scaling, int64_t fwd_format, int64_t grad_format, double epsilon, int64_t weight_cache,
-    bool save_original_input, int64_t parallel_mode, bool sequence_parallel,
-    const std::string& group_name, at::IntArrayRef debug, const OptTensor& prologue_weight,
-    const OptTensor& prologue_bias, int64_t prologue, double prologue_eps) {
+ForwardCall checked_forward_call(const at::Tensor& x, const at::Tensor& weight,
+                                 const OptTensor& bias, const OptTensor& scale,
+                                 const OptTensor& amax_history, const OptTensor& cache_rowwise,
+                                 const OptTensor& cache_columnwise,
+                                 const OptTensor& cache_scale_inv, const OptTensor& main_grad,
+                                 int64_t scaling, int64_t fwd_format, int64_t grad_format,
+                                 double epsilon, int64_t weight_cache, bool save_original_input,
+                                 int64_t parallel_mode, bool sequence_parallel,
+                                 const std::string& group_name, at::IntArrayRef debug,
+                                 const OptTensor& prologue_weight, const OptTensor& prologue_bias,
+                                 int64_t prologue, double prologue_eps, const OptTensor& residual) {
   ForwardCall call{
       linear_config(scaling, fwd_format, grad_format, epsilon, weight_cache, save_original_input,
                     parallel_mode, sequence_parallel, group_name, debug),
@@ -150,7 +166,7 @@ ForwardCall checked_forward_call(
       {cache_rowwise.value_or(at::Tensor()), cache_columnwise.value_or(at::Tensor()),
        cache_scale_inv.value_or(at::Tensor())},
       prologue_args(prologue, prologue_weight, prologue_bias, prologue_eps)};
-  check_inputs(x, weight, bias, call.c, call.state, call.cache, main_grad, call.prologue);
+  check_inputs(x, weight, bias, call.c, call.state, call.cache, main_grad, call.prologue, residual);
   return call;
 }
 
@@ -178,7 +194,7 @@ TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
       "int weight_cache, bool save_original_input, int parallel_mode, bool sequence_parallel, "
       "str group_name, int[] debug, bool need_dgrad, bool need_wgrad, "
       "Tensor? prologue_weight=None, Tensor? prologue_bias=None, int prologue=0, "
-      "float prologue_eps=0.0, bool keep_prologue_output=False) "
+      "float prologue_eps=0.0, bool keep_prologue_output=False, Tensor? residual=None) "
       "-> (Tensor y, Tensor x_fp8, Tensor x_scale_inv, Tensor w_fp8, Tensor w_scale_inv, "
       "Tensor x_hp, Tensor mean, Tensor rstd)");
   m.def(
@@ -193,7 +209,7 @@ TORCH_LIBRARY_FRAGMENT(tpfp8, m) {
       "Tensor? handoff_scale=None, Tensor(c!)? handoff_grad_amax_history=None, "
       "bool handoff_rowwise=False, bool handoff_columnwise=False, bool handoff_dbias=False, "
       "Tensor? dy_rowwise=None, Tensor? dy_columnwise=None, Tensor? dy_scale_inv=None, "
-      "Tensor? dy_dbias=None) "
+      "Tensor? dy_dbias=None, Tensor? input_grad=None) "
       "-> (Tensor dx, Tensor dw, Tensor db, Tensor dprologue_weight, Tensor dprologue_bias, "
       "Tensor dx_rowwise, Tensor dx_columnwise, Tensor dx_scale_inv, Tensor dx_dbias)");
 }

@@ -131,13 +131,14 @@ FusedCast fused_activation_backward(const at::Tensor& dy, const at::Tensor& x,
 }
 
 PrologueGrads prologue_backward(const at::Tensor& dy, const at::Tensor& x, const PrologueArgs& p,
-                                const PrologueStats& stats) {
+                                const PrologueStats& stats, const OptTensor& dx_add) {
   PrologueGrads g;
   if (p.norm()) {
     std::tie(g.dx, g.dweight, g.dbias) =
-        norm_backward(dy, x, defined(stats.mean), stats.rstd, *p.weight, rms(p));
+        norm_backward(dy, x, defined(stats.mean), stats.rstd, *p.weight, rms(p), dx_add);
     return g;
   }
+  TORCH_CHECK(!dx_add, "internal error: only a norm's backward adds a skip connection's gradient");
   g.dx = at::empty_like(x);
   activation_high_precision(&dy, x, g.dx, activation_code(p));
   return g;

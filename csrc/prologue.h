@@ -64,6 +64,6 @@ struct PrologueGrads {
 };
 // The gradients for x [M, input_cols] from dy, the gradient of y.
 PrologueGrads prologue_backward(const at::Tensor& dy, const at::Tensor& x, const PrologueArgs& p,
-                                const PrologueStats& stats);
+                                const PrologueStats& stats, const OptTensor& dx_add = std::nullopt);
 
 }  // namespace tpfp8

@@ -723,6 +723,45 @@ def check_fused_mlp_matches_single_rank(group):
                 p.grad = None
 
 
+def check_residual_mlp_matches_single_rank(group):
+    """x + LayerNormMLP(x) with residual=x, set_parallel_mode=True: the row-parallel fc2 adds
+    the residual after its reduction (all-reduce, or reduce-scatter to this rank's rows), and
+    the column-parallel fc1's norm backward adds the output's gradient to dx (after dgrad's
+    reduction, on this rank's rows under SP) -- against the same call on one rank: y, dx and
+    the weights' gradients. Bounds as check_fused_mlp_matches_single_rank's."""
+    tp, r = dist.get_world_size(), dist.get_rank()
+    recipes = (None, tpfp8.DelayedScaling(amax_history_len=4), tpfp8.CurrentScaling())
+    for sp, recipe in itertools.product((False, True), recipes):
+        torch.manual_seed(53)
+        kw = {"activation": "swiglu", "device": DEVICE, "bias": False, "normalization": "RMSNorm"}
+        full = tpfp8.LayerNormMLP(K, N, **kw)
+        split = tpfp8.LayerNormMLP(K, N, set_parallel_mode=True, tp_group=group,
+                                   sequence_parallel=sp, **kw)
+        for one, part in ((full.fc1, split.fc1), (full.fc2, split.fc2)):
+            part.load_full_state_dict(one.full_state_dict())
+        x = torch.randn(S * B, K, device=DEVICE)
+        dy = torch.randn(S * B, K, device=DEVICE)
+        exact = recipe is None or (sp and isinstance(recipe, tpfp8.DelayedScaling))
+        bound = FP8_TIGHT if exact else 0.15
+        what = f"residual MLP sp={sp} {_recipe_name(recipe)}"
+        mine = (lambda t: t.chunk(tp)[r]) if sp else (lambda t: t)
+        for step, factor in enumerate((1.0, 2.0)):
+            want = _mlp_step(full, x * factor, recipe, recipe is not None, dy, residual=True)
+            got = _mlp_step(split, mine(x) * factor, recipe, recipe is not None, mine(dy),
+                            residual=True)
+            if sp:
+                got = [P.unshard(t.contiguous(), 0, group) for t in got]
+            expect(rel(got[0], want[0]), bound, f"{what} y, step {step}")
+            expect(rel(got[1], want[1]), bound, f"{what} dx, step {step}")
+            pairs = ((split.fc1._unshard(split.fc1.weight.grad, 0), full.fc1.weight.grad),
+                     (split.fc2._unshard(split.fc2.weight.grad, 1), full.fc2.weight.grad),
+                     (split.fc1.layer_norm_weight.grad, full.fc1.layer_norm_weight.grad))
+            for i, (a, b) in enumerate(pairs):
+                expect(rel(a, b), bound, f"{what} gradient {i}, step {step}")
+            for p in list(full.parameters()) + list(split.parameters()):
+                p.grad = None
+
+
 def check_norm_linear_matches_single_rank(group):
     """Column-parallel LayerNormLinear / RMSNormLinear -- the norm on this rank's rows and its
     FP8 output gathered (sequence parallel), or on the whole input -- also returning the norm
@@ -807,11 +846,12 @@ def check_ddp_casts_with_rank0_state(group):
     assert float(seen[-1][2].sum()) > 0, "no amax recorded: the check saw no state"
 
 
-def _mlp_step(model, x, recipe, enabled=True, dy=None):
-    """(y, dx) of one step; the output gradient dy, or 2y (of y.square().sum()) without one."""
+def _mlp_step(model, x, recipe, enabled=True, dy=None, residual=False):
+    """(y, dx) of one step; the output gradient dy, or 2y (of y.square().sum()) without one;
+    with `residual`, y = x + model(x) (residual=x)."""
     x = x.clone().requires_grad_(True)
     with tpfp8.fp8_autocast(enabled=enabled, recipe=recipe):
-        y = model(x)
+        y = model(x, residual=x) if residual else model(x)
     y.backward(2 * y.detach() if dy is None else dy)
     return [y.detach(), x.grad]
 
@@ -829,7 +869,8 @@ def _cases():
         check_sharded_records_identical, check_double_backward_refused,
         check_parallel_arguments_refused,
         check_ops_with_a_group, check_compiled_matches_eager, check_fused_mlp_matches_single_rank,
-        check_norm_linear_matches_single_rank, check_ddp_casts_with_rank0_state)]
+        check_residual_mlp_matches_single_rank, check_norm_linear_matches_single_rank,
+        check_ddp_casts_with_rank0_state)]
     recipes = [None, tpfp8.DelayedScaling(amax_history_len=4), tpfp8.CurrentScaling()]
     for mode, sp, recipe, save_orig, bias in itertools.product(
             ("column", "row"), (False, True), recipes, (False, True), (True, False)):

@@ -52,14 +52,14 @@ def _linear_forward(x, weight, bias, scale, amax_history, cache_rowwise, cache_c
                     weight_cache, save_original_input, parallel_mode, sequence_parallel,
                     group_name, debug, need_dgrad, need_wgrad, prologue_weight=None,
                     prologue_bias=None, prologue=0, prologue_eps=0.0,
-                    keep_prologue_output=False):
-    if _static(x, weight):  # (symbolic sizes: the op checks when it runs)
+                    keep_prologue_output=False, residual=None):
+    if _static(x, weight, residual):  # (symbolic sizes: the op checks when it runs)
         _C.check_linear_forward(x, weight, bias, scale, amax_history, cache_rowwise,
                                 cache_columnwise, cache_scale_inv, main_grad, scaling,
                                 fwd_format, grad_format, epsilon, weight_cache,
                                 save_original_input, parallel_mode, sequence_parallel,
                                 group_name, debug, prologue_weight, prologue_bias, prologue,
-                                prologue_eps)
+                                prologue_eps, residual)
     n, k = weight.shape
     tp = _group_size(group_name) if sequence_parallel else 1
     shape = list(x.shape)
@@ -105,7 +105,7 @@ def _linear_backward(dy, x, x_fp8, x_scale_inv, weight, w_fp8, w_scale_inv, scal
                      rstd=None, prologue=0, prologue_output_grad=None, handoff_scale=None,
                      handoff_grad_amax_history=None, handoff_rowwise=False,
                      handoff_columnwise=False, handoff_dbias=False, dy_rowwise=None,
-                     dy_columnwise=None, dy_scale_inv=None, dy_dbias=None):
+                     dy_columnwise=None, dy_scale_inv=None, dy_dbias=None, input_grad=None):
     def nothing(dtype=None):  # (a placeholder for a gradient not asked for)
         return dy.new_empty(0, dtype=dtype)
     handoff = handoff_rowwise or handoff_columnwise
@@ -138,21 +138,22 @@ def _linear(x, weight, bias, scale, amax_history, grad_amax_history, replay, cac
             epsilon, weight_cache, save_original_input, parallel_mode, sequence_parallel,
             group_name, debug, main_grad_overwrite, saves_input, need_dgrad, need_wgrad,
             prologue_weight=None, prologue_bias=None, prologue=0, prologue_eps=0.0,
-            keep_prologue_output=False):
+            keep_prologue_output=False, residual=None):
     recompute = replay is not None
     out = _linear_forward(x, weight, bias, replay if recompute else scale,
                           None if recompute else amax_history, cache_rowwise, cache_columnwise,
                           cache_scale_inv, main_grad, scaling, fwd_format, grad_format, epsilon,
                           weight_cache, save_original_input, parallel_mode, sequence_parallel,
                           group_name, debug, need_dgrad, need_wgrad, prologue_weight,
-                          prologue_bias, prologue, prologue_eps, keep_prologue_output)
+                          prologue_bias, prologue, prologue_eps, keep_prologue_output, residual)
     return out[0], out[5]
 
 
 @torch.library.register_fake("tpfp8::mlp")
-def _mlp(x, *layers):
-    """Two ``linear`` calls, fc1's output fc2's input (inference mode, as ``linear``)."""
-    per_layer = len(layers) // 2
-    y1, normalized = _linear(x, *layers[:per_layer])
-    y, _ = _linear(y1, *layers[per_layer:])
+def _mlp(x, *args):
+    """Two ``linear`` calls, fc1's output fc2's input, fc2 adding the residual (the last
+    argument; inference mode, as ``linear``)."""
+    per_layer = (len(args) - 1) // 2
+    y1, normalized = _linear(x, *args[:per_layer])
+    y, _ = _linear(y1, *args[per_layer:2 * per_layer], residual=args[-1])
     return y, normalized

@@ -15,7 +15,7 @@ from torch import nn
 
 from . import _C
 from . import parallel as _parallel
-from .module import _MLP, Linear, _check_full_shape, _parameter, _run_op
+from .module import _MLP, Linear, _check_full_shape, _check_residual, _parameter, _run_op
 from .recipe import _finite_nonnegative
 
 _NORMS = {"LayerNorm": int(_C.Prologue.LAYER_NORM), "RMSNorm": int(_C.Prologue.RMS_NORM)}
@@ -250,20 +250,27 @@ class _TwoLayers(nn.Module):
             if prefix + theirs in state_dict:
                 state_dict[prefix + mine] = state_dict.pop(prefix + theirs)
 
-    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None,
+                residual: Optional[torch.Tensor] = None):
         """fc1 and fc2 as one op (torch.ops.tpfp8.mlp), so that in FP8 fc2's backward hands
         fc1 its gradient already cast: the activation's backward writes fc1's FP8 gradient,
         and its column sums (fc1's bias gradient), in its own pass, with fc1's gradient scale
-        (not when debugging). The submodules' own forward hooks do not run here."""
+        (not when debugging). The submodules' own forward hooks do not run here.
+
+        ``residual`` is added to the output as ``tpfp8.Linear`` adds it (fc2's GEMM adds it, or
+        fc2 after its reduction when row-parallel). With ``residual=x`` in a ``LayerNormMLP``
+        -- the pre-norm block ``x + mlp(x)`` -- the norm's backward also adds the output's
+        gradient to ``x``'s in its own pass: neither add of the skip connection runs alone."""
         fc1, fc2 = self.fc1, self.fc2
         if fc1.return_bias or fc2.return_bias:  # (the op adds both biases itself)
             raise ValueError(f"{type(self).__name__} adds fc1's bias before the activation and "
                              f"returns fc2's output alone: set return_bias=False on fc1 and "
                              f"fc2 (fc2's bias can be left out with bias=False and added after)")
+        _check_residual(residual)
         first = fc1._begin(x, is_first_microbatch)
         second = fc2._begin(first.x, is_first_microbatch, input_needs_grad=first.gives_grad())
         y, normalized = _run_op(first.vet or second.vet, first.compiling, _MLP, first.x,
-                                *first.op_args, *second.op_args)
+                                *first.op_args, *second.op_args, residual)
         fc1._end(first)
         fc2._end(second)
         return self._outputs(y, normalized)

@@ -409,26 +409,38 @@ class Linear(nn.Linear):
 
     # ---- forward ------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None,
+                residual: Optional[torch.Tensor] = None):
         """``x [..., in_features] -> [..., out_features]``.
 
         ``is_first_microbatch``: None casts the weight to FP8 every call; True casts and
         caches it; False reuses the cache (the weights must not have changed since).
 
+        ``residual``: a tensor of the output's shape and dtype added to it -- a block's skip
+        connection, ``residual + layer(x)`` without a separate add kernel. The forward GEMM
+        adds it before rounding its output once (so the sum can differ from the separate add
+        in the last bit, closer to the exact sum); under row parallelism it is added after the
+        reduction. Its gradient is the output's. Given ``residual=x`` to a ``LayerNormLinear``
+        (``x + layer(norm(x))``, where ``out_features == in_features``), backward also adds
+        that gradient to ``x``'s in the norm backward's own pass.
+
         A call that raises (bad input, a rejected option) leaves the module as it was: FP8
         state, weight cache and ``weight.main_grad`` are only changed by calls that succeed.
         On the meta device it gives the output's shape and dtype and keeps nothing.
         """
-        if not torch.compiler.is_compiling():
+        _check_residual(residual)
+        if residual is None and not torch.compiler.is_compiling():
             template = self.__dict__.get(_TEMPLATE)
             if template is not None:
                 out = template.run(self, x, is_first_microbatch)
                 if out is not None:
                     return out
         call = self._begin(x, is_first_microbatch)
-        y, prologue_out = _run_op(call.vet, call.compiling, _LINEAR, call.x, *call.op_args)
+        y, prologue_out = _run_op(call.vet, call.compiling, _LINEAR, call.x, *call.op_args,
+                                  residual)
         self._end(call)
-        self._keep_template(call, x, is_first_microbatch)
+        if residual is None:  # (a template repeats calls without one)
+            self._keep_template(call, x, is_first_microbatch)
         return self._outputs(y, self._config.return_bias, call.bias_out, prologue_out)
 
     def _keep_template(self, call: "_Call", x, is_first_microbatch) -> None:
@@ -461,7 +473,7 @@ class Linear(nn.Linear):
         if self._config.return_bias:  # (the op adds none; the template returns it)
             sources.pop(1)
         self.__dict__[_TEMPLATE] = _C.CallTemplate(
-            _LINEAR[1], (call.x, *call.op_args), sources, is_first_microbatch, self._config,
+            _LINEAR[1], (call.x, *call.op_args, None), sources, is_first_microbatch, self._config,
             codes=None if frame is None else frame["codes"], delayed=delayed,
             registers=delayed and call.cache_mode != _WEIGHT_CACHE_REUSE,
             frame_group=frame["amax_group"] if delayed else None, amax_group=call.amax_group,
@@ -815,6 +827,12 @@ def _parameter(module: nn.Module, name: str):
 
 
 _MISSING = object()
+
+
+def _check_residual(residual) -> None:
+    if residual is not None and not isinstance(residual, torch.Tensor):
+        raise TypeError(f"residual must be a tensor (added to the output) or None, got "
+                        f"{type(residual).__name__}")
 
 
 def _run_op(vet: bool, compiling: bool, op: tuple, *args):
