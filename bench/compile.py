@@ -91,6 +91,9 @@ CASES = [
     ("torchao rowwise compile", "torchao", "rowwise", "default"),
 ]
 BF16 = tuple(c[0] for c in CASES if c[1] == "bf16")
+# The families built by a block's fused(): its arguments for each (bench/block.py's layer has
+# a second form, its residual adds run apart).
+FUSED_FORMS = {"tpfp8 fused": {}, "tpfp8 fused, adds apart": {"fold_residual": False}}
 GRAPHED = ("graph", "default graph")  # the modes that capture the whole step
 COMPILED = ("default", "reduce-overhead", "default graph")
 CUDA_ONLY = ("reduce-overhead",) + GRAPHED
@@ -160,9 +163,10 @@ def build(case, reference, device):
     model = copy.deepcopy(reference)
     recipe = None
     if family.startswith("tpfp8"):
-        if family == "tpfp8 fused" and not hasattr(reference, "fused"):
+        if family in FUSED_FORMS and not hasattr(reference, "fused"):
             raise Skip("this block has no fused form")
-        model = reference.fused() if family == "tpfp8 fused" else tpfp8.swap_linear(model)
+        model = (reference.fused(**FUSED_FORMS[family]) if family in FUSED_FORMS
+                 else tpfp8.swap_linear(model))
         recipe = tpfp8.DelayedScaling() if variant == "delayed" else tpfp8.CurrentScaling()
     elif family == "torchao":
         config_cls, convert = torchao_float8()

@@ -169,3 +169,24 @@ def test_profile_kernel_kinds_name_every_kernel_of_a_real_profile(monkeypatch):
                 "compiler-generated" if name.startswith("triton_") else
                 "other" if "reduce_kernel" in name else "memset / copy")
         assert kind == want, name
+
+
+def test_block_fused_layer_folds_its_skip_connections_as_it_adds_them():
+    """bench/block.py's fused layer with its residual adds folded into the layers (the timed
+    form) against its adds run apart: the same step, to bf16 rounding."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import block
+    import tpfp8
+    torch.manual_seed(0)
+    layer = block.DecoderLayer(*block.SIZES["tiny"], 16, "cpu")
+    outs = []
+    for fold in (True, False):
+        fused = layer.fused(fold_residual=fold)
+        x = torch.randn(32, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+        x.requires_grad_(True)
+        with tpfp8.fp8_autocast(recipe=tpfp8.DelayedScaling()):
+            y = fused(x)
+        (y.float() * torch.linspace(-1, 1, y.numel()).view(y.shape)).sum().backward()
+        outs.append((y.detach().float(), x.grad.float()))
+    for a, b in zip(*outs):
+        assert float((a - b).norm() / b.norm()) < 1e-2
