@@ -37,6 +37,26 @@ double rel_err(const std::vector<float>& got, const std::vector<double>& want) {
   return std::sqrt(num / den);
 }
 
+// Row i of A times row j of B, both FP8 [*, k], in fp64, scaled: the GEMM's exact value.
+double direct_sum(const Fp8Matrix& a, Fp8Format fa, const Fp8Matrix& b, Fp8Format fb, int64_t i,
+                  int64_t j, int64_t k) {
+  double s = 0;
+  for (int64_t c = 0; c < k; ++c) {
+    s += double(decode_fp8(a.codes[i * k + c], fa)) * decode_fp8(b.codes[j * k + c], fb);
+  }
+  return s * a.scale_inv * b.scale_inv;
+}
+
+// The CPU reference's params for D[m, n] = A . B^T of FP8 operands.
+GemmParams fp8_params(const Fp8Matrix& a, GemmType ta, const Fp8Matrix& b, GemmType tb, int64_t m,
+                      int64_t n, int64_t k) {
+  GemmParams p;
+  p.m = m, p.n = n, p.k = k;
+  p.a = {a.codes.data(), ta, &a.scale_inv, false};
+  p.b = {b.codes.data(), tb, &b.scale_inv, false};
+  return p;
+}
+
 TEST(GemmCpu, Fp8WithBiasMatchesDirectSum) {
   const int64_t m = 5, n = 16, k = 32;
   const Fp8Matrix a = quantize(finite_randoms(m * k, 1), Fp8Format::kE4M3, 8.0f);
@@ -44,21 +64,13 @@ TEST(GemmCpu, Fp8WithBiasMatchesDirectSum) {
   std::vector<bf16_t> bias(n);
   for (int64_t j = 0; j < n; ++j) bias[j] = to_bf16(0.25f * j);
   std::vector<float> d(m * n);
-  GemmParams p;
-  p.m = m, p.n = n, p.k = k;
-  p.a = {a.codes.data(), GemmType::kE4M3, &a.scale_inv, false};
-  p.b = {b.codes.data(), GemmType::kE5M2, &b.scale_inv, false};
+  GemmParams p = fp8_params(a, GemmType::kE4M3, b, GemmType::kE5M2, m, n, k);
   p.d = d.data(), p.d_type = GemmType::kFloat32, p.bias = bias.data();
   gemm_cpu(p);
   std::vector<double> want(m * n);
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t j = 0; j < n; ++j) {
-      double s = 0;
-      for (int64_t c = 0; c < k; ++c) {
-        s += double(decode_fp8(a.codes[i * k + c], Fp8Format::kE4M3)) *
-             decode_fp8(b.codes[j * k + c], Fp8Format::kE5M2);
-      }
-      want[i * n + j] = s * a.scale_inv * b.scale_inv + 0.25 * j;
+      want[i * n + j] = direct_sum(a, Fp8Format::kE4M3, b, Fp8Format::kE5M2, i, j, k) + 0.25 * j;
     }
   }
   EXPECT_LT(rel_err(d, want), 1e-7);
@@ -71,20 +83,13 @@ TEST(GemmCpu, ResidualIsAddedBeforeTheOneRounding) {
   const std::vector<float> r32 = finite_randoms(m * n, 5);
   std::vector<bf16_t> residual(m * n), d(m * n);
   for (int64_t i = 0; i < m * n; ++i) residual[i] = to_bf16(4.0f * r32[i]);
-  GemmParams p;
-  p.m = m, p.n = n, p.k = k;
-  p.a = {a.codes.data(), GemmType::kE4M3, &a.scale_inv, false};
-  p.b = {b.codes.data(), GemmType::kE4M3, &b.scale_inv, false};
+  GemmParams p = fp8_params(a, GemmType::kE4M3, b, GemmType::kE4M3, m, n, k);
   p.d = d.data(), p.d_type = GemmType::kBFloat16, p.residual = residual.data();
   gemm_cpu(p);
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t j = 0; j < n; ++j) {
-      double s = 0;
-      for (int64_t c = 0; c < k; ++c) {
-        s += double(decode_fp8(a.codes[i * k + c], Fp8Format::kE4M3)) *
-             decode_fp8(b.codes[j * k + c], Fp8Format::kE4M3);
-      }
-      const double exact = s * a.scale_inv * b.scale_inv + to_float(residual[i * n + j]);
+      const double exact = direct_sum(a, Fp8Format::kE4M3, b, Fp8Format::kE4M3, i, j, k) +
+                           to_float(residual[i * n + j]);
       EXPECT_EQ(d[i * n + j].bits, to_bf16(static_cast<float>(exact)).bits) << i << j;
     }
   }
@@ -115,10 +120,7 @@ TEST(GemmCuda, Fp8MatchesCpuReference) {
     const Fp8Matrix a = quantize(finite_randoms(m * k, m), Fp8Format::kE4M3, 32.0f);
     const Fp8Matrix b = quantize(finite_randoms(n * k, n), Fp8Format::kE4M3, 32.0f);
     std::vector<float> cpu(m * n, NAN);
-    GemmParams p;
-    p.m = m, p.n = n, p.k = k;
-    p.a = {a.codes.data(), GemmType::kE4M3, &a.scale_inv, false};
-    p.b = {b.codes.data(), GemmType::kE4M3, &b.scale_inv, false};
+    GemmParams p = fp8_params(a, GemmType::kE4M3, b, GemmType::kE4M3, m, n, k);
     p.d = cpu.data(), p.d_type = GemmType::kFloat32;
     gemm_cpu(p);
     testing::DeviceBuffer<uint8_t> da(a.codes), db(b.codes), ws(kGemmWorkspaceBytes);
