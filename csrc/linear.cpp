@@ -25,6 +25,12 @@ at::Tensor run_gemm(const Operand& a, const Operand& b, at::Tensor out, const Op
 at::Tensor as_matrix(const at::Tensor& t, int64_t cols) {
   return t.dim() == 2 && t.is_contiguous() ? t : t.reshape({-1, cols}).contiguous();
 }
+// as_matrix, copied where it does not start 16-byte aligned (the kernels' vector loads; cuBLASLt
+// may have no FP8 kernel for a misaligned matrix).
+at::Tensor aligned_matrix(const at::Tensor& t, int64_t cols) {
+  const at::Tensor m = as_matrix(t, cols);
+  return reinterpret_cast<uintptr_t>(m.data_ptr()) % 16 == 0 ? m : m.clone();
+}
 // `t` viewed as `shape`, or itself when it has that shape already.
 at::Tensor shaped(const at::Tensor& t, at::IntArrayRef shape) {
   return t.sizes() == shape ? t : t.view(shape);
@@ -330,8 +336,7 @@ Prepared input_for_wgrad(const at::Tensor& x_saved, const at::Tensor& x_gathered
 Prepared prepare_prologue_input(const at::Tensor& x, int64_t k, const LinearConfig& c,
                                 const Quantizer* q, const PrologueArgs& prologue, bool keep_output,
                                 bool need_wgrad, ForwardResult& out) {
-  at::Tensor x2 = as_matrix(x, prologue.input_cols(k));
-  if (reinterpret_cast<uintptr_t>(x2.data_ptr()) % 16 != 0) x2 = x2.clone();  // vector loads
+  const at::Tensor x2 = aligned_matrix(x, prologue.input_cols(k));
   PrologueStats stats;
   Prepared in;
   // Debugging needs the values and save_original_input re-quantizes them in backward: both
@@ -428,7 +433,7 @@ ForwardResult linear_forward(const at::Tensor& x, const at::Tensor& weight, cons
   // (The epilogue reads a contiguous bias; nn.Linear takes any, so a strided one is copied.)
   run_gemm(x_op, w_op, y,
            fuse_bias ? OptTensor(bias->to(y.scalar_type()).contiguous()) : std::nullopt, c.fp8(),
-           false, residual && !row ? OptTensor(as_matrix(*residual, n)) : std::nullopt);
+           false, residual && !row ? OptTensor(aligned_matrix(*residual, n)) : std::nullopt);
   // 4. Row parallel: sum the partial outputs over the group. (Folding the residual into one
   //    rank's epilogue would need it whole there; under SP each rank holds its rows only.)
   if (row && c.sequence_parallel) {

@@ -300,18 +300,39 @@ OptTensor returned_output_grad(const Config& c, const at::Tensor& grad) {
 // back as the residual's (kPassed), or, where the residual is the input x of a norm prologue
 // whose backward runs (x + f(norm(x))), added to dx in the norm backward's own pass (kFolded:
 // autograd then has one gradient of x to take, not two to add in a kernel of their own).
+// `layer_inputs`: the op's tensors before the residual (the layer's own), those given.
 enum class Residual : int64_t { kNone, kPassed, kFolded };
 void keep_residual(AutogradContext* ctx, const OptTensor& residual, const at::Tensor& x,
-                   bool norm_backward_runs) {
+                   bool norm_backward_runs, std::initializer_list<OptTensor> layer_inputs) {
   Residual r = Residual::kNone;
   if (residual && residual->requires_grad()) {
     r = residual->is_same(x) && norm_backward_runs ? Residual::kFolded : Residual::kPassed;
   }
   ctx->saved_data["residual"] = static_cast<int64_t>(r);
+  int64_t edges = 0;  // (autograd's edges: the tensors given, an absent optional none)
+  for (const OptTensor& t : layer_inputs) edges += t.has_value() && t->defined();
+  ctx->saved_data["layer_edges"] = edges;
 }
 Residual kept_residual(AutogradContext* ctx) {
   return static_cast<Residual>(ctx->saved_data["residual"].toInt());
 }
+// Whether autograd asks for the residual's gradient alone (torch.autograd.grad(loss, [r]), or a
+// frozen layer): the layer's backward is then skipped with its side effects (a gradient amax
+// recorded, main_grad written), as autograd skips a layer a separate add bypasses.
+bool residual_grad_only(AutogradContext* ctx) {
+  const int64_t edges = ctx->saved_data["layer_edges"].toInt();
+  for (int64_t i = 0; i < edges; ++i) {
+    if (ctx->needs_input_grad(i)) return false;
+  }
+  return true;
+}
+// The gradients of an op's `inputs` where only the residual's is asked for: the output's.
+variable_list residual_grad(Residual r, const at::Tensor& grad, size_t inputs, size_t index) {
+  variable_list out(inputs);
+  if (r == Residual::kPassed) out[index] = grad;
+  return out;
+}
+
 // The gradient the norm backward adds to dx (kFolded), where one came.
 OptTensor folded_grad(Residual r, const at::Tensor& grad) {
   return r == Residual::kFolded && grad.defined() ? OptTensor(grad) : std::nullopt;
@@ -326,7 +347,8 @@ struct LinearAutograd : torch::autograd::Function<LinearAutograd> {
     std::vector<at::Tensor> to_save;
     LayerForward f = layer_forward(x, {weight, bias, prologue_weight, prologue_bias}, l,
                                    x.requires_grad(), to_save, residual);
-    keep_residual(ctx, residual, x, l.c.norm() && x.requires_grad());
+    keep_residual(ctx, residual, x, l.c.norm() && x.requires_grad(),
+                  {x, weight, bias, prologue_weight, prologue_bias});
     ctx->save_for_backward(to_save);
     ctx->set_materialize_grads(false);
     if (!l.c.keep_prologue_output) ctx->mark_non_differentiable({f.x_hp});
@@ -335,11 +357,14 @@ struct LinearAutograd : torch::autograd::Function<LinearAutograd> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Residual residual = kept_residual(ctx);
+    if (residual_grad_only(ctx)) {
+      return residual_grad(residual, grads[0], kInputs, kResidual);
+    }
     const auto s = saved_layer(ctx, "s");
     const auto saved = ctx->get_saved_variables();
     // Grad mode on inside backward means create_graph=True (double backward).
     const at::Tensor dy = output_grad(grads[0], *s);
-    const Residual residual = kept_residual(ctx);
     variable_list out = at::GradMode::is_enabled()
                             ? differentiable_backward(dy, saved, *s)
                             : backward_of(dy, saved, *s, grads[1], folded_grad(residual, grads[0]));
@@ -413,7 +438,8 @@ struct MlpAutograd : torch::autograd::Function<MlpAutograd> {
     LayerForward f2 =
         layer_forward(f1.y, {w2, b2, {}, {}}, fc2, fc2.c.need_dgrad, to_save, residual);
     // (fc1's backward, and its norm's, run only when fc2's dgrad does)
-    keep_residual(ctx, residual, x, fc1.c.norm() && x.requires_grad() && fc2.c.need_dgrad);
+    keep_residual(ctx, residual, x, fc1.c.norm() && x.requires_grad() && fc2.c.need_dgrad,
+                  {x, w1, b1, norm_weight, norm_bias, w2, b2});
     ctx->save_for_backward(to_save);
     ctx->set_materialize_grads(false);
     if (!fc1.c.keep_prologue_output) ctx->mark_non_differentiable({f1.x_hp});
@@ -423,6 +449,10 @@ struct MlpAutograd : torch::autograd::Function<MlpAutograd> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Residual residual = kept_residual(ctx);
+    if (residual_grad_only(ctx)) {
+      return residual_grad(residual, grads[0], kInputs, kResidual);
+    }
     const auto s1 = saved_layer(ctx, "fc1"), s2 = saved_layer(ctx, "fc2");
     TORCH_CHECK(!at::GradMode::is_enabled(),
                 "tpfp8.MLP and LayerNormMLP do not support double backward (create_graph=True)");
@@ -433,8 +463,7 @@ struct MlpAutograd : torch::autograd::Function<MlpAutograd> {
       give = {s1->scale, s1->grad_amax_history, s1->need_dgrad(), s1->need_wgrad(), s1->need_db};
     }
     const at::Tensor dy = output_grad(grads[0], *s2);
-    const Residual residual = kept_residual(ctx);
-    if (residual == Residual::kPassed) out[7] = grads[0];
+    if (residual == Residual::kPassed) out[kResidual] = grads[0];
     const auto g2 = layer_backward(dy, saved, kSavedPerLayer, *s2, std::nullopt, give);
     place_grads(g2, *s2, out, {-1, 5, 6, -1, -1});  // (forward's w2, b2; fc2's x is internal)
     const OptTensor norm_grad = returned_output_grad(s1->c, grads[1]);
@@ -460,6 +489,7 @@ struct MlpAutograd : torch::autograd::Function<MlpAutograd> {
   }
 
   static constexpr size_t kInputs = 10;
+  static constexpr size_t kResidual = 7;
 };
 
 // The ops' kernels, boxed (each call parses its layers' arguments from the stack): with

@@ -228,3 +228,59 @@ def test_calls_with_a_residual_leave_the_call_template_alone():
         assert torch.equal(plain, twin(x)) and torch.equal(again, plain)
         assert torch.equal(with_residual, twin(x, residual=r))
         assert not torch.equal(with_residual, plain)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("make", [
+    lambda: tpfp8.Linear(64, 64, fuse_wgrad_accumulation=True),
+    lambda: tpfp8.LayerNormMLP(64, 32, fuse_wgrad_accumulation=True)],
+    ids=["Linear", "LayerNormMLP"])
+def test_the_residual_gradient_alone_leaves_the_layer_alone(recipe, make):
+    """torch.autograd.grad(loss, [r]) -- with create_graph too -- runs none of the layer's
+    backward, as with a separate add: no weight gradient into main_grad, no gradient amax
+    recorded, no double-backward refusal; the residual gets the output's gradient."""
+    torch.manual_seed(0)
+    layer = make()
+    params = [p for p in layer.parameters() if p.dim() == 2]
+    for p in params:
+        p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+    x = torch.randn(16, 64, requires_grad=True)
+    r = torch.randn(16, 64, requires_grad=True)
+    modules = [layer] if isinstance(layer, tpfp8.Linear) else [layer.fc1, layer.fc2]
+    with tpfp8.fp8_autocast(enabled=RECIPES[recipe] is not None, recipe=RECIPES[recipe]):
+        y = layer(x, residual=r)
+    before = sum([state_of(m) for m in modules], [])
+    for create_graph in (False, True):
+        (grad,) = torch.autograd.grad(linear_loss(y), [r], retain_graph=True,
+                                      create_graph=create_graph)
+        assert torch.equal(grad, torch.linspace(-1, 1, y.numel()).view(y.shape))
+    assert all(not p.main_grad.any() for p in params)
+    assert_same(sum([state_of(m) for m in modules], []), before)
+
+
+def test_a_residual_off_16_byte_alignment_gives_the_aligned_result(device):
+    """(An offset view, as a slice of a larger tensor is: on the GPU the layer copies it first,
+    as FP8 cuBLASLt kernels want aligned matrices.)"""
+    torch.manual_seed(0)
+    lin = tpfp8.Linear(64, 48, device=device).bfloat16()
+    x = torch.randn(8, 64, device=device, dtype=torch.bfloat16)
+    flat = torch.randn(8 * 48 + 1, device=device, dtype=torch.bfloat16)
+    shifted = flat[1:].view(8, 48)
+    assert shifted.data_ptr() % 16 != 0
+    with tpfp8.fp8_autocast():
+        assert torch.equal(lin(x, residual=shifted), lin(x, residual=shifted.clone()))
+
+
+def test_a_meta_tensor_beside_real_ones_is_refused():
+    """The meta kernels do not run the native ops' device checks: a meta residual or dx_add
+    beside CPU tensors must not silently write nothing."""
+    a, b = torch.randn(4, 8), torch.randn(5, 8)
+    with pytest.raises(ValueError, match=r"several devices \(cpu, meta\)"):
+        tpfp8.ops.gemm(a, b, out_dtype=torch.float32,
+                       residual=torch.empty(4, 5, device="meta"))
+    x, gamma = torch.randn(4, 16), torch.ones(16)
+    norm = tpfp8.ops.norm_cast(x, gamma, None, torch.ones(1), rms_norm=True, out=True,
+                               rowwise=False, columnwise=False, stats=True)
+    with pytest.raises(ValueError, match="several devices"):
+        tpfp8.ops.norm_backward(torch.randn(4, 16), x, None, norm.rstd, gamma, True,
+                                dx_add=torch.empty(4, 16, device="meta"))

@@ -24,8 +24,19 @@ _LAYER_NORM = int(_C.Prologue.LAYER_NORM)
 _NORMS = (_LAYER_NORM, int(_C.Prologue.RMS_NORM))
 
 
+def _on_one_device(*args) -> None:
+    """Refuses tensors on several devices: with one on the meta device beside real ones the
+    call comes here, where the native op's device check does not run, and writes nothing."""
+    tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])
+               if isinstance(t, torch.Tensor)]
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(f"a tpfp8 op got tensors on several devices "
+                         f"({', '.join(sorted(map(str, devices)))}); put them on one")
+
+
 def _writes_only_its_arguments(*args, **kwargs) -> None:
-    return None
+    _on_one_device(*args, *kwargs.values())
 
 
 for _name in _WRITERS:
@@ -34,6 +45,7 @@ for _name in _WRITERS:
 
 @torch.library.register_fake("tpfp8::norm_backward")
 def _norm_backward(dy, x, mean, rstd, gamma, rms_norm, dx_add=None):
+    _on_one_device(dy, x, mean, rstd, gamma, dx_add)
     dbeta = gamma.new_empty(0) if rms_norm else gamma.new_empty(gamma.shape)
     return x.new_empty(x.shape), gamma.new_empty(gamma.shape), dbeta
 
