@@ -76,7 +76,7 @@ bool open_plan(const char* name, const GemmParams& p, cudaStream_t st, cublasLtH
                Plan& plan, PlanKey& key) {
   key = PlanKey{};
   key.align_a = alignment(p.a.data), key.align_b = alignment(p.b.data),
-  key.align_d = alignment(p.d);
+  key.align_c = key.align_d = alignment(p.d);
   cublasLtCreate(&handle);
   const std::string err = build_plan(p, key, handle, plan, st);
   if (!err.empty()) printf("%s: no plan: %s\n", name, err.c_str());

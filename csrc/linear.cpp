@@ -386,8 +386,9 @@ void prologue_grads(Grads& out, const SavedForBackward& s, const LinearConfig& c
     out.dx = at::Tensor();
     return;
   }
+  // (aligned: a misaligned one would send the whole kernel down its element-wise path)
   const OptTensor input_grad =
-      s.input_grad.defined() ? OptTensor(as_matrix(s.input_grad, x.size(1))) : std::nullopt;
+      s.input_grad.defined() ? OptTensor(aligned_matrix(s.input_grad, x.size(1))) : std::nullopt;
   PrologueGrads g = prologue_backward(dy.contiguous(), x, s.prologue, s.stats, input_grad);
   if (s.prologue.norm() && gathers_input(c)) {
     all_reduce(g.dweight, *c.tp_group, c10d::ReduceOp::SUM);
