@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import tpfp8
-from conftest import state_of
+from conftest import fp8_tight, state_of
 from test_compile import assert_one_graph, compiled_twin
 from test_fused_modules import RECIPES, assert_same
 
@@ -43,6 +43,18 @@ def run(model, x, recipe, residual=None, add_after=False):
     return y.detach(), grads
 
 
+def assert_forward_close(fused, separate, device, *terms):
+    """A forward's output with the residual in the GEMM against the separate add: rounded
+    once (assert_rounded_once) on the CPU. On the GPU the two GEMMs (with and without C) may
+    run different cuBLASLt kernels, whose sums differ by their accumulation order: normwise, to
+    the GEMM's bound (conftest.fp8_tight) and the output's rounding."""
+    if device == "cpu":
+        assert_rounded_once(fused, separate, *terms)
+        return
+    err = float((fused.double() - separate.double()).norm() / separate.double().norm())
+    assert err <= fp8_tight(device) + torch.finfo(fused.dtype).eps, err
+
+
 def assert_rounded_once(fused, separate, *terms):
     """`fused` rounds the exact sum of `terms` once, `separate` rounds the first term, then the
     sum: they differ by at most half a unit in the last place of that term and of each result
@@ -67,7 +79,8 @@ def test_linear_residual_is_the_separate_add_rounded_once(device, recipe, dtype,
         y, grads = run(fused, x * (step + 1), RECIPES[recipe], residual)
         want_y, want_grads = run(separate, x * (step + 1), RECIPES[recipe], residual, True)
         plain = run(copy.deepcopy(separate), x * (step + 1), RECIPES[recipe])[0]
-        assert_rounded_once(y, want_y, plain, residual, *([fused.bias.detach()] if bias else []))
+        assert_forward_close(y, want_y, device, plain, residual,
+                             *([fused.bias.detach()] if bias else []))
         assert_same(grads, want_grads, f"step {step}")  # (the residual's is dy itself)
         assert_same(state_of(fused), state_of(separate), f"FP8 state, step {step}")
 
@@ -91,7 +104,8 @@ def test_pre_norm_mlp_with_residual_x_folds_both_adds(device, recipe, dtype, nor
         y, grads = run(fused, x * (step + 1), RECIPES[recipe], "x")
         want_y, want_grads = run(separate, x * (step + 1), RECIPES[recipe], "x", True)
         plain = run(copy.deepcopy(separate), x * (step + 1), RECIPES[recipe])
-        assert_rounded_once(y, want_y, plain[0], x * (step + 1), fused.fc2.bias.detach())
+        assert_forward_close(y, want_y, device, plain[0], x * (step + 1),
+                             fused.fc2.bias.detach())
         if dtype == torch.float32:
             assert torch.equal(grads[0], want_grads[0])
         else:  # (the norm's own dx, then dy, the residual path's)
