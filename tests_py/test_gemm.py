@@ -76,6 +76,8 @@ def test_cpu_residual_is_added_before_the_one_rounding(out_dtype):
              + residual.double().numpy())
     assert torch.equal(d, torch.from_numpy(exact).to(out_dtype))  # (fp64 sum, rounded once)
     assert torch.equal(residual, rand((17, 32), 4, out_dtype))  # (read, never written)
+    del kw["out_dtype"]  # (then the residual's)
+    assert torch.equal(ops.gemm(a, b, residual=residual, **kw), d)
 
 
 def test_accept_float8_dtypes_directly():

@@ -316,7 +316,7 @@ def _gemm_type(t: torch.Tensor, fp8_format) -> int:
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = None,
-         out_dtype: torch.dtype = torch.bfloat16, a_scale_inv: Optional[torch.Tensor] = None,
+         out_dtype: Optional[torch.dtype] = None, a_scale_inv: Optional[torch.Tensor] = None,
          b_scale_inv: Optional[torch.Tensor] = None, a_format=None, b_format=None,
          bias: Optional[torch.Tensor] = None, accumulate: bool = False,
          fast_accum: bool = False, a_transposed: bool = False,
@@ -329,7 +329,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = None
     uint8 codes with ``a_format``/``b_format`` (or ``torch.float8_*`` tensors) and a one-element
     fp32 ``scale_inv``; K and N must then be multiples of 16. Accumulation is fp32;
     ``fast_accum`` allows reduced-precision accumulation in FP8 kernels (for fprop).
-    ``accumulate=True`` adds into ``out`` (e.g. an fp32 ``main_grad``); ``residual``, a
+    Without ``out`` the result is a new ``out_dtype`` tensor (default: the residual's dtype, or
+    bfloat16). ``accumulate=True`` adds into ``out`` (e.g. an fp32 ``main_grad``); ``residual``, a
     contiguous ``[M, N]`` tensor of the output's dtype that does not share ``out``'s memory, is
     added before the output's one rounding (a skip connection in the GEMM's epilogue).
     """
@@ -339,6 +340,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = None
             raise ValueError("accumulate=True needs the `out` tensor to add into")
         m = a.shape[1] if a_transposed else a.shape[0]
         n = b.shape[1] if b_transposed else b.shape[0]
+        if out_dtype is None:
+            out_dtype = residual.dtype if isinstance(residual, torch.Tensor) else torch.bfloat16
         out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     _ops.gemm(_as_codes(a), _as_codes(b), out, a_scale_inv, b_scale_inv, a_type, b_type, bias,
               accumulate, fast_accum, a_transposed, b_transposed, residual)
