@@ -123,16 +123,14 @@ std::vector<int64_t> output_shape(const at::Tensor& x, int64_t n, const LinearCo
 void check_residual(const at::Tensor& residual, const at::Tensor& x, int64_t n,
                     const LinearConfig& c) {
   const std::vector<int64_t> shape = output_shape(x, n, c);
-  TORCH_CHECK_VALUE(residual.sizes() == at::IntArrayRef(shape) &&
-                        residual.scalar_type() == x.scalar_type() &&
-                        residual.device() == x.device(),
-                    "residual is added to the output, so it must be ", x.scalar_type(),
-                    " of the "
-                    "output's shape ",
-                    at::IntArrayRef(shape), " on ", x.device(), ", got ", residual.scalar_type(),
-                    " of shape ", residual.sizes(), " on ", residual.device(),
-                    "; convert it, or add it after the call (under "
-                    "torch.autocast the output has the autocast dtype)");
+  TORCH_CHECK_VALUE(
+      residual.sizes() == at::IntArrayRef(shape) && residual.scalar_type() == x.scalar_type() &&
+          residual.device() == x.device(),
+      "residual is added to the output, so it must be ", x.scalar_type(), " of the output's shape ",
+      at::IntArrayRef(shape), " on ", x.device(), ", got ", residual.scalar_type(), " of shape ",
+      residual.sizes(), " on ", residual.device(),
+      "; convert it, or add it after the call (under torch.autocast the output "
+      "has the autocast dtype)");
 }
 
 }  // namespace
