@@ -92,8 +92,8 @@ CASES = [
 ]
 BF16 = tuple(c[0] for c in CASES if c[1] == "bf16")
 # The families built by a block's fused(): its arguments for each (bench/block.py's layer has
-# a second form, its residual adds run apart).
-FUSED_FORMS = {"tpfp8 fused": {}, "tpfp8 fused, adds apart": {"fold_residual": False}}
+# a second form, its residual adds folded into the layers).
+FUSED_FORMS = {"tpfp8 fused": {}, "tpfp8 fused, residual folded": {"fold_residual": True}}
 GRAPHED = ("graph", "default graph")  # the modes that capture the whole step
 COMPILED = ("default", "reduce-overhead", "default graph")
 CUDA_ONLY = ("reduce-overhead",) + GRAPHED

@@ -172,8 +172,8 @@ def test_profile_kernel_kinds_name_every_kernel_of_a_real_profile(monkeypatch):
 
 
 def test_block_fused_layer_folds_its_skip_connections_as_it_adds_them():
-    """bench/block.py's fused layer with its residual adds folded into the layers (the timed
-    form) against its adds run apart: the same step, to bf16 rounding."""
+    """bench/block.py's fused layer with its residual adds folded into the layers against its
+    adds run apart (the main form): the same step, to bf16 rounding."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import block
     import tpfp8
