@@ -474,6 +474,43 @@ def test_mlp_state_dict_round_trip_keeps_fp8_state(cls):
         assert torch.equal(other(x), mlp(x))
 
 
+@pytest.mark.parametrize("cls, kw", [
+    (tpfp8.LayerNormMLP, {}), (tpfp8.LayerNormMLP, {"normalization": "RMSNorm", "bias": False}),
+    (tpfp8.MLP, {"activation": "swiglu"})])
+def test_mlp_full_state_dict_round_trip_by_te_names(cls, kw):
+    """full_state_dict / load_full_state_dict on the MLPs, as on a Linear, keyed as
+    state_dict: a second module loaded from the first's holds the same parameters."""
+    torch.manual_seed(0)
+    mlp, other = cls(32, 64, **kw), cls(32, 64, **kw)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.uniform_(-1, 1)
+    full = mlp.full_state_dict()
+    params = {k: v for k, v in mlp.state_dict().items() if not k.endswith("_extra_state")}
+    assert set(full) == set(params)
+    assert all(torch.equal(full[k], v) and full[k].data_ptr() != v.data_ptr()
+               for k, v in params.items())
+    other.load_full_state_dict(full)
+    assert all(torch.equal(a, b) for a, b in zip(other.parameters(), mlp.parameters()))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s: s.update(fc2_weight=torch.ones(32, 63)), r"fc2_weight has shape \(32, 63\)"),
+    (lambda s: s.pop("fc2_bias"), "the layer has a fc2_bias, the state none"),
+    (lambda s: s.update(layer_norm_weight=torch.ones(31)), "layer_norm_weight has shape"),
+    (lambda s: s.update({"fc1.weight": s.pop("fc1_weight")}), r"unknown keys \['fc1.weight'\]"),
+])
+def test_mlp_load_full_state_dict_checks_every_key_and_shape_before_copying(change, message):
+    """fc2's bad tensor is found before fc1's good ones are copied."""
+    mlp = tpfp8.LayerNormMLP(32, 64)
+    state = {k: v + 1 for k, v in mlp.full_state_dict().items()}
+    change(state)
+    before = {k: t.clone() for k, t in mlp.state_dict().items()}
+    with pytest.raises(ValueError, match=message):
+        mlp.load_full_state_dict(state)
+    assert all(torch.equal(t, before[k]) for k, t in mlp.state_dict().items())
+
+
 @pytest.mark.parametrize("bad, message", [
     (lambda: tpfp8.LayerNormLinear(32, 16, normalization="BatchNorm"), "normalization must be"),
     (lambda: tpfp8.LayerNormLinear(32, 16, eps=-1.0), "eps must be a finite number >= 0"),

@@ -665,7 +665,8 @@ def check_fused_mlp_matches_single_rank(group):
     rank: y, dx and every gradient, the norm's weight and bias gradients summed over the group.
     Without biases, fc2 hands fc1 its gradient in FP8 (the
     handoff), on each rank its own columns. Bounds as (b) in the module docstring. The same
-    for tpfp8.MLP (no norm: fc1 gathers its input itself).
+    for tpfp8.MLP (no norm: fc1 gathers its input itself). The split MLP loads the single-rank
+    one's full_state_dict (each rank its slices), and its own full_state_dict gathers it back.
 
     The output gradient is a fixed tensor, not a function of y: on the GPU, fc2's partial sums
     reduced across ranks move y by ~1e-4 (another summation order, 14-bit FP8 accumulation), and
@@ -689,8 +690,12 @@ def check_fused_mlp_matches_single_rank(group):
                 full.fc1.layer_norm_weight.uniform_(0.5, 1.5)
                 if full.fc1.layer_norm_bias is not None:
                     full.fc1.layer_norm_bias.uniform_(-0.5, 0.5)
-        for one, part in ((full.fc1, split.fc1), (full.fc2, split.fc2)):
-            part.load_full_state_dict(one.full_state_dict())
+        split.load_full_state_dict(full.full_state_dict())  # (each rank its slices)
+        gathered, want = split.full_state_dict(), full.full_state_dict()
+        assert set(gathered) == set(want), (sorted(gathered), sorted(want))
+        for key, value in want.items():
+            expect(0.0 if torch.equal(gathered[key], value) else 1.0, 0.0,
+                   f"{cls.__name__} {act} full_state_dict {key} gathered")
         x = torch.randn(S * B, K, device=DEVICE)
         dy = torch.randn(S * B, K, device=DEVICE)
         exact = recipe is None or (sp and isinstance(recipe, tpfp8.DelayedScaling))

@@ -131,14 +131,14 @@ class LayerNormLinear(_GatedShards, Linear):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, normalization={self.normalization}, eps={self.eps}"
 
-    def _full_parts(self, state: dict) -> list:
+    def _full_parts(self, state: dict, key=str) -> list:
         """As ``tpfp8.Linear``'s, plus ``layer_norm_weight`` / ``layer_norm_bias`` (replicated;
         optional: ``reset_parameters`` sets them itself)."""
-        parts = super()._full_parts(state)
+        parts = super()._full_parts(state, key)
         for name in ("layer_norm_weight", "layer_norm_bias"):
-            param, given = getattr(self, name, None), state.get(name)
+            param, given = getattr(self, name, None), state.get(key(name))
             if param is not None and given is not None:
-                _check_full_shape(name, given, tuple(param.shape))
+                _check_full_shape(key(name), given, tuple(param.shape))
                 parts.append((param, given))
         return parts
 
@@ -250,6 +250,32 @@ class _TwoLayers(nn.Module):
             if prefix + theirs in state_dict:
                 state_dict[prefix + mine] = state_dict.pop(prefix + theirs)
 
+    @torch.no_grad()
+    def full_state_dict(self) -> dict:
+        """The single-device (unsharded) parameters, gathered from every rank, by
+        ``state_dict``'s keys (TransformerEngine's: ``fc1_weight``, ...)."""
+        out = {}
+        for layer in ("fc1", "fc2"):
+            for key, value in getattr(self, layer).full_state_dict().items():
+                out[self._KEYS[f"{layer}.{key}"]] = value
+        return out
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict) -> None:
+        """Loads single-device (unsharded) parameters by ``full_state_dict``'s keys; each rank
+        keeps its slices. Every key and shape is checked before anything is copied
+        (ValueError)."""
+        unknown = sorted(set(state) - set(self._KEYS.values()))
+        if unknown:
+            raise ValueError(f"load_full_state_dict: unknown keys {unknown}; "
+                             f"{type(self).__name__} takes {sorted(self._KEYS.values())}")
+        parts = []
+        for layer in ("fc1", "fc2"):
+            parts += getattr(self, layer)._full_parts(
+                state, lambda name, layer=layer: self._KEYS[f"{layer}.{name}"])
+        for param, value in parts:
+            param.copy_(value)
+
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None,
                 residual: Optional[torch.Tensor] = None):
         """fc1 and fc2 as one op (torch.ops.tpfp8.mlp), so that in FP8 fc2's backward hands
@@ -326,7 +352,8 @@ class LayerNormMLP(_TwoLayers):
     ``fc1._extra_state`` and ``fc2._extra_state``), and so are read-only attributes of those
     names (``mlp.fc1_weight`` is ``mlp.fc1.weight``); the modules are ``fc1``
     (``LayerNormLinear``) and ``fc2`` (``ActivationLinear``), whose names
-    ``named_parameters()`` gives.
+    ``named_parameters()`` gives. ``full_state_dict()`` / ``load_full_state_dict()`` give and
+    take the single-device (unsharded) parameters by those keys.
     ``forward(x, is_first_microbatch=None)`` returns ``y`` or, with
     ``return_layernorm_output``, ``(y, normalized x)``.
     """

@@ -168,21 +168,21 @@ class Linear(nn.Linear):
         for param, value in self._full_parts(state):
             param.copy_(value)
 
-    def _full_parts(self, state: dict) -> list:
+    def _full_parts(self, state: dict, key=str) -> list:
         """(parameter, this rank's part of its tensor in `state`), each checked against the
-        parameter's full (unsharded) shape."""
+        parameter's full (unsharded) shape; `key(name)` is a parameter's key in `state`."""
         w_dim, b_dim = self._split_dims()
         parts = []
         for name, dim, full in (("weight", w_dim, (self.out_features, self.in_features)),
                                 ("bias", b_dim, (self.out_features,))):
-            param, given = getattr(self, name), state.get(name)
+            param, given = getattr(self, name), state.get(key(name))
             if param is None and given is None:
                 continue
             if param is None or given is None:
                 layer, other = ("has no", "has one") if param is None else ("has a", "none")
-                raise ValueError(f"load_full_state_dict: the layer {layer} {name}, the state "
-                                 f"{other}")
-            _check_full_shape(name, given, full)
+                raise ValueError(f"load_full_state_dict: the layer {layer} {key(name)}, the "
+                                 f"state {other}")
+            _check_full_shape(key(name), given, full)
             parts.append((param, given if dim is None else self._shard(given, dim)))
         return parts
 
