@@ -25,8 +25,8 @@ from torch.nn import functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import compile as cases_runner  # noqa: E402  (bench/compile.py)
 import tpfp8  # noqa: E402
-from common import (add_energy_argument, device_name, gemm_autotune, make_parser,  # noqa: E402
-                    print_table, save_json)
+from common import (add_energy_argument, add_settle_argument, device_name,  # noqa: E402
+                    gemm_autotune, make_parser, print_table, save_json)
 
 SIZES = {"8b": (4096, 14336, 32, 8), "1b": (2048, 8192, 32, 8), "tiny": (64, 128, 4, 2)}
 # CUDA graphs (reduce-overhead, the whole step) for the bf16 baseline, the fused delayed layer
@@ -148,6 +148,7 @@ def main(argv=None):
                         help="comma-separated substrings: only the cases whose name holds one "
                              "(bf16 cases always run: they are the baseline)")
     add_energy_argument(parser)
+    add_settle_argument(parser)
     parser.add_argument("--profile", default=None,
                         help="comma-separated substrings: a torch.profiler table of the matching "
                              "cases after timing, with the GPU's idle gaps, its time by kind of "
@@ -186,6 +187,7 @@ def main(argv=None):
                "torchao": cases_runner.torchao_version(), "gemm_autotune": gemm_autotune(),
                "batch": args.batch, "seq": args.seq,
                "reps": args.reps, "rounds": args.rounds, "warmup": args.warmup,
+               "settle_s": args.settle,
                "results": results})
     plotted = [n for n in names if any(r["cases"][n]["speedup_vs_faster_bf16"] for r in results)]
     cases_runner.save_plot(os.path.join(args.out, "block.png"), results, plotted, dev,

@@ -30,13 +30,17 @@ def parse_shapes(text):
     return [tuple(int(v) for v in s.split("x")) for s in text.split(",")]
 
 
-def time_ms(fn, device: str, reps: int, warmup: int = 5, pipelined: bool = False) -> float:
+def time_ms(fn, device: str, reps: int, warmup: int = 5, pipelined: bool = False,
+            settle_s: float = 0.0) -> float:
     """Milliseconds per fn() after `warmup` untimed runs: the median of `reps` runs timed one
     by one (each waits for the GPU), or with `pipelined` the mean of `reps` back-to-back runs
     timed together -- the steady state of a training loop, where the CPU queues the next step
-    while the GPU works."""
+    while the GPU works. `settle_s`: on a GPU, untimed back-to-back runs for that long first
+    (settle)."""
     for _ in range(warmup):
         fn()
+    if device.startswith("cuda"):
+        settle(fn, settle_s)
     if pipelined and device.startswith("cuda"):
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -62,6 +66,32 @@ def time_ms(fn, device: str, reps: int, warmup: int = 5, pipelined: bool = False
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def settle(fn, seconds: float) -> None:
+    """Runs fn() back to back for `seconds`, at most two calls queued on the GPU, so that a
+    timing that follows starts at the clocks of sustained work. The H200 runs at its 700 W cap:
+    after an idle moment its SM clock is 1980 MHz and falls to about 1500 MHz within 0.2 s of
+    load, so the first steps run up to ~10 % faster (forty-third session). A short timed window
+    holds more of them for a faster step than for a slower one, which flatters the faster."""
+    if seconds <= 0:
+        return
+    queued = []
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        fn()
+        queued.append(torch.cuda.Event())
+        queued[-1].record()
+        if len(queued) > 2:
+            queued.pop(0).synchronize()
+
+
+def add_settle_argument(parser: argparse.ArgumentParser, default: float = 0.5) -> None:
+    """--settle SECONDS: untimed back-to-back steps before each timed window (settle)."""
+    parser.add_argument("--settle", type=float, default=default, metavar="SECONDS",
+                        help="on a GPU, run each case untimed for this long right before each "
+                             "of its timed windows, so that every case is timed at the clocks "
+                             f"of sustained work, not an idle card's (default {default}; 0: off)")
 
 
 def graphed(fn, warmup: int = 3):

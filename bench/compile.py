@@ -29,13 +29,16 @@ histories roll as eager's do.
 
 Each case is compiled and warmed up first (--warmup untimed steps: compilation and CUDA-graph
 recording; the first step's wall time is reported), then timed as bench/linear.py times its
-steady state: the mean of --reps back-to-back steps (CUDA events), best of --rounds rounds
-that visit every case in turn. A case that raises anywhere is reported as "failed: <reason>"
-(the traceback goes to stderr) and the run goes on. Also reported per case: graph breaks and
-CUDA-graph skips counted by dynamo/inductor while it compiled (TORCH_LOGS=graph_breaks,
-perf_hints prints their reasons), the relative error of its output against bf16 eager (an FP8
-path shows a few %, a silent fall-back to high precision well under 1 %), and for delayed
-scaling whether the amax histories rolled (the autocast exit's update reached the module).
+steady state: the mean of --reps back-to-back steps (CUDA events), best of --rounds rounds that
+visit every case in turn. On a GPU each timed window follows --settle seconds of the same
+case's untimed steps: the card's clocks fall within a fraction of a second of load, and a
+window that starts on an idle card's clocks flatters the faster case. A case that raises
+anywhere is reported as "failed: <reason>" (the traceback goes to stderr) and the run goes on.
+Also reported per case: graph breaks and CUDA-graph skips counted by dynamo/inductor while it
+compiled (TORCH_LOGS=graph_breaks, perf_hints prints their reasons), the relative error of its
+output against bf16 eager (an FP8 path shows a few %, a silent fall-back to high precision well
+under 1 %), and for delayed scaling whether the amax histories rolled (the autocast exit's
+update reached the module).
 With --energy, each case also runs for that many seconds with the GPU's energy counter read
 around it: joules per step and mean power. The H200 here runs these steps at its 700 W cap,
 with its clocks lowered, so a step's energy is the figure that holds between runs.
@@ -53,9 +56,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (add_energy_argument, device_name, energy_per_call,  # noqa: E402
-                    gemm_autotune, graphed, make_parser, parse_shapes, print_table, pyplot,
-                    save_json, time_ms)
+from common import (add_energy_argument, add_settle_argument, device_name,  # noqa: E402
+                    energy_per_call, gemm_autotune, graphed, make_parser, parse_shapes,
+                    print_table, pyplot, save_json, time_ms)
 
 import tpfp8  # noqa: E402
 
@@ -301,7 +304,8 @@ def run_size(tokens, hidden, args, cases, factory=None):
     for rnd in range(args.rounds):
         for name, (step, _) in list(live.items()):
             try:
-                ms = time_ms(step, device, args.reps, warmup=1, pipelined=True)
+                ms = time_ms(step, device, args.reps, warmup=1, pipelined=True,
+                             settle_s=args.settle)
             except Exception as exc:
                 fail(results[name], name, exc, f"timing (round {rnd + 1})")
                 del live[name]
@@ -517,6 +521,7 @@ def main(argv=None):
                         help="comma-separated substrings: run only the cases whose name holds "
                              "one (bf16 cases are always run: they are the baseline)")
     add_energy_argument(parser)
+    add_settle_argument(parser)
     parser.add_argument("--profile", default=None,
                         help="comma-separated substrings: after timing, print (and save in --out) "
                              "a torch.profiler table of 5 steps of each matching case, with the "
@@ -558,6 +563,7 @@ def main(argv=None):
                "gemm_autotune": gemm_autotune(),
                "gelu": "exact (erf)", "dtype": "bf16 activations, parameters and gradients",
                "reps": args.reps, "rounds": args.rounds, "warmup": args.warmup,
+               "settle_s": args.settle,
                "results": results})
     plotted = [n for n in names if any(r["cases"][n]["speedup_vs_faster_bf16"] for r in results)]
     save_plot(os.path.join(args.out, "compile.png"), results, plotted, dev)

@@ -153,6 +153,30 @@ def test_repeat_reads_what_compile_and_block_write(written, monkeypatch):
     assert (ratio, name) == best and ratio > 1.0
 
 
+def test_settle_runs_the_step_for_its_time_with_at_most_two_queued(monkeypatch):
+    """bench/common.settle, with CUDA events stood in for: the step runs back to back for the
+    time asked, waiting on the oldest step whenever two are queued; 0 s runs nothing."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import common
+    queued = []
+
+    class Event:
+        def record(self):
+            queued.append(self)
+
+        def synchronize(self):
+            queued.remove(self)
+    monkeypatch.setattr(common.torch.cuda, "Event", Event)
+    seen = []
+    t0 = time.perf_counter()
+    common.settle(lambda: seen.append(len(queued)), 0.05)
+    assert time.perf_counter() - t0 >= 0.05 and len(seen) > 3
+    assert max(seen) == 2 and len(queued) == 2
+    seen.clear()
+    common.settle(lambda: seen.append(len(queued)), 0.0)
+    assert seen == []
+
+
 def test_profile_kernel_kinds_name_every_kernel_of_a_real_profile(monkeypatch):
     """The kinds --profile sums GPU time by, over the kernel names of a real profile (the 8B-like
     layer, bf16 compiled and tpfp8 under reduce-overhead, H200, kept in bench/results)."""
