@@ -187,8 +187,8 @@ def main(argv=None):
                "torchao": cases_runner.torchao_version(), "gemm_autotune": gemm_autotune(),
                "batch": args.batch, "seq": args.seq,
                "reps": args.reps, "rounds": args.rounds, "warmup": args.warmup,
-               "settle_s": args.settle,
-               "results": results})
+               "settle_s": args.settle if args.device.startswith("cuda") else 0.0,
+               "fused_forms": cases_runner.FUSED_FORMS, "results": results})
     plotted = [n for n in names if any(r["cases"][n]["speedup_vs_faster_bf16"] for r in results)]
     cases_runner.save_plot(os.path.join(args.out, "block.png"), results, plotted, dev,
                            xlabel="tokens x hidden", title="Llama-style decoder layer fwd+bwd")

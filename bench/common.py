@@ -3,6 +3,7 @@ import argparse
 import ctypes
 import functools
 import json
+import math
 import os
 import statistics
 import sys
@@ -69,8 +70,9 @@ def time_ms(fn, device: str, reps: int, warmup: int = 5, pipelined: bool = False
 
 
 def settle(fn, seconds: float) -> None:
-    """Runs fn() back to back for `seconds`, at most two calls queued on the GPU, so that a
-    timing that follows starts at the clocks of sustained work. The H200 runs at its 700 W cap:
+    """Runs fn() back to back for `seconds` on the current CUDA device, waiting on the oldest
+    call whenever three are queued, so that a timing that follows starts at the clocks of
+    sustained work. The H200 runs at its 700 W cap:
     after an idle moment its SM clock is 1980 MHz and falls to about 1500 MHz within 0.2 s of
     load, so the first steps run up to ~10 % faster (forty-third session). A short timed window
     holds more of them for a faster step than for a slower one, which flatters the faster."""
@@ -86,9 +88,17 @@ def settle(fn, seconds: float) -> None:
             queued.pop(0).synchronize()
 
 
+def seconds_arg(text: str) -> float:
+    """argparse type: a finite number of seconds >= 0."""
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return value
+
+
 def add_settle_argument(parser: argparse.ArgumentParser, default: float = 0.5) -> None:
     """--settle SECONDS: untimed back-to-back steps before each timed window (settle)."""
-    parser.add_argument("--settle", type=float, default=default, metavar="SECONDS",
+    parser.add_argument("--settle", type=seconds_arg, default=default, metavar="SECONDS",
                         help="on a GPU, run each case untimed for this long right before each "
                              "of its timed windows, so that every case is timed at the clocks "
                              f"of sustained work, not an idle card's (default {default}; 0: off)")

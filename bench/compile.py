@@ -563,7 +563,7 @@ def main(argv=None):
                "gemm_autotune": gemm_autotune(),
                "gelu": "exact (erf)", "dtype": "bf16 activations, parameters and gradients",
                "reps": args.reps, "rounds": args.rounds, "warmup": args.warmup,
-               "settle_s": args.settle,
+               "settle_s": args.settle if args.device.startswith("cuda") else 0.0,
                "results": results})
     plotted = [n for n in names if any(r["cases"][n]["speedup_vs_faster_bf16"] for r in results)]
     save_plot(os.path.join(args.out, "compile.png"), results, plotted, dev)

@@ -155,7 +155,8 @@ def test_repeat_reads_what_compile_and_block_write(written, monkeypatch):
 
 def test_settle_runs_the_step_for_its_time_with_at_most_two_queued(monkeypatch):
     """bench/common.settle, with CUDA events stood in for: the step runs back to back for the
-    time asked, waiting on the oldest step whenever two are queued; 0 s runs nothing."""
+    time asked, waiting on the oldest step whenever three are queued; 0 s runs nothing; the
+    option takes a finite number of seconds >= 0."""
     monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
     import common
     queued = []
@@ -165,6 +166,7 @@ def test_settle_runs_the_step_for_its_time_with_at_most_two_queued(monkeypatch):
             queued.append(self)
 
         def synchronize(self):
+            assert self is queued[0], "settle waits on the oldest call"
             queued.remove(self)
     monkeypatch.setattr(common.torch.cuda, "Event", Event)
     seen = []
@@ -175,6 +177,9 @@ def test_settle_runs_the_step_for_its_time_with_at_most_two_queued(monkeypatch):
     seen.clear()
     common.settle(lambda: seen.append(len(queued)), 0.0)
     assert seen == []
+    for bad in ("inf", "nan", "-1"):
+        with pytest.raises(Exception, match="finite number of seconds"):
+            common.seconds_arg(bad)
 
 
 def test_profile_kernel_kinds_name_every_kernel_of_a_real_profile(monkeypatch):

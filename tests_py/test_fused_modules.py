@@ -494,15 +494,26 @@ def test_mlp_full_state_dict_round_trip_by_te_names(cls, kw):
     assert all(torch.equal(a, b) for a, b in zip(other.parameters(), mlp.parameters()))
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda s: s.update(fc2_weight=torch.ones(32, 63)), r"fc2_weight has shape \(32, 63\)"),
-    (lambda s: s.pop("fc2_bias"), "the layer has a fc2_bias, the state none"),
-    (lambda s: s.update(layer_norm_weight=torch.ones(31)), "layer_norm_weight has shape"),
-    (lambda s: s.update({"fc1.weight": s.pop("fc1_weight")}), r"unknown keys \['fc1.weight'\]"),
+@pytest.mark.parametrize("kw, change, message", [
+    ({}, lambda s: s.update(fc2_weight=torch.ones(32, 63)), r"fc2_weight has shape \(32, 63\)"),
+    ({}, lambda s: s.pop("fc2_bias"), r"missing keys \['fc2_bias'\]"),
+    ({}, lambda s: s.pop("layer_norm_weight"), r"missing keys \['layer_norm_weight'\]"),
+    ({}, lambda s: s.update(layer_norm_weight=torch.ones(31)), "layer_norm_weight has shape"),
+    ({}, lambda s: s.update({"fc1.weight": s.pop("fc1_weight")}),
+     r"unknown keys \['fc1.weight'\], missing keys \['fc1_weight'\]"),
+    ({}, lambda s: s.update({"fc1._extra_state": None, "fc2._extra_state": b""}),
+     r"unknown keys \['fc2._extra_state'\].*load_state_dict loads it"),
+    ({"normalization": "RMSNorm"}, lambda s: s.update(layer_norm_bias=torch.zeros(32)),
+     r"unknown keys \['layer_norm_bias'\]; LayerNormMLP takes \['fc1_bias', 'fc1_weight', "
+     r"'fc2_bias', 'fc2_weight', 'layer_norm_weight'\]"),
+    ({"bias": False}, lambda s: s.update(fc1_bias=torch.zeros(64)), r"unknown keys \['fc1_bias'\]"),
+    ({}, lambda s: s.update(fc2_bias=torch.zeros(32, device="meta")), "fc2_bias is a meta tensor"),
+    ({}, lambda s: s.update(fc2_bias=[0.0] * 32), "fc2_bias is a list; give a tensor"),
 ])
-def test_mlp_load_full_state_dict_checks_every_key_and_shape_before_copying(change, message):
-    """fc2's bad tensor is found before fc1's good ones are copied."""
-    mlp = tpfp8.LayerNormMLP(32, 64)
+def test_mlp_load_full_state_dict_checks_every_key_and_shape_before_copying(kw, change, message):
+    """Every key the module has, and no other; fc2's bad tensor is found before fc1's good ones
+    are copied."""
+    mlp = tpfp8.LayerNormMLP(32, 64, **kw)
     state = {k: v + 1 for k, v in mlp.full_state_dict().items()}
     change(state)
     before = {k: t.clone() for k, t in mlp.state_dict().items()}

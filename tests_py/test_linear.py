@@ -463,16 +463,27 @@ def test_swap_linear_keeps_a_tied_layer_one_layer_and_the_training_mode():
     ({"weight": torch.ones(48, 32)}, "the layer has a bias, the state none"),
     ({"weight": torch.ones(48, 32), "bias": torch.ones(48), "layer_norm_weight": torch.ones(31)},
      "layer_norm_weight has shape"),
+    ({"wieght": torch.ones(48, 32), "bias": torch.ones(48)}, r"unknown keys \['wieght'\]"),
+    ({"weight": torch.ones(48, 32), "bias": torch.ones(48), "_extra_state": b""},
+     "the FP8 state is no part of a full state dict"),
+    ({"weight": torch.ones(48, 32, device="meta"), "bias": torch.ones(48)}, "a meta tensor"),
 ])
-def test_load_full_state_dict_checks_every_shape_before_copying(state, message):
+def test_load_full_state_dict_checks_every_key_and_shape_before_copying(state, message):
     """A wrong shape was broadcast into the parameter, or failed after the weight was copied;
-    a missing bias kept the old one."""
+    a missing bias kept the old one; a misspelt key was ignored."""
     layer = tpfp8.LayerNormLinear(32, 48)
     before = {k: t.clone() for k, t in layer.state_dict().items()}
     with pytest.raises(ValueError, match=message):
         layer.load_full_state_dict(state)
     assert all(torch.equal(t, before[k]) for k, t in layer.state_dict().items())
     layer.load_full_state_dict(layer.full_state_dict())  # (its own round trip)
+
+
+def test_rms_norm_linear_refuses_a_layer_norm_bias_in_a_full_state_dict():
+    layer = tpfp8.RMSNormLinear(32, 48)
+    state = {**layer.full_state_dict(), "layer_norm_bias": torch.zeros(32)}
+    with pytest.raises(ValueError, match=r"has no layer_norm_bias \(RMSNorm\), the state has"):
+        layer.load_full_state_dict(state)
 
 
 def test_sequence_helpers_without_a_group_return_their_input():

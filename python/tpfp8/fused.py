@@ -15,7 +15,8 @@ from torch import nn
 
 from . import _C
 from . import parallel as _parallel
-from .module import _MLP, Linear, _check_full_shape, _check_residual, _parameter, _run_op
+from .module import (_MLP, Linear, _check_full_keys, _check_full_shape, _check_residual,
+                     _parameter, _run_op)
 from .recipe import _finite_nonnegative
 
 _NORMS = {"LayerNorm": int(_C.Prologue.LAYER_NORM), "RMSNorm": int(_C.Prologue.RMS_NORM)}
@@ -131,14 +132,19 @@ class LayerNormLinear(_GatedShards, Linear):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, normalization={self.normalization}, eps={self.eps}"
 
+    _FULL_KEYS = Linear._FULL_KEYS + ("layer_norm_weight", "layer_norm_bias")
+
     def _full_parts(self, state: dict, key=str) -> list:
         """As ``tpfp8.Linear``'s, plus ``layer_norm_weight`` / ``layer_norm_bias`` (replicated;
         optional: ``reset_parameters`` sets them itself)."""
         parts = super()._full_parts(state, key)
         for name in ("layer_norm_weight", "layer_norm_bias"):
             param, given = getattr(self, name, None), state.get(key(name))
+            if param is None and given is not None:
+                raise ValueError(f"load_full_state_dict: the layer has no {key(name)} "
+                                 f"({self.normalization}), the state has one")
             if param is not None and given is not None:
-                _check_full_shape(key(name), given, tuple(param.shape))
+                _check_full_shape(key(name), given, tuple(param.shape), param)
                 parts.append((param, given))
         return parts
 
@@ -262,13 +268,12 @@ class _TwoLayers(nn.Module):
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict) -> None:
-        """Loads single-device (unsharded) parameters by ``full_state_dict``'s keys; each rank
-        keeps its slices. Every key and shape is checked before anything is copied
-        (ValueError)."""
-        unknown = sorted(set(state) - set(self._KEYS.values()))
-        if unknown:
-            raise ValueError(f"load_full_state_dict: unknown keys {unknown}; "
-                             f"{type(self).__name__} takes {sorted(self._KEYS.values())}")
+        """Loads single-device (unsharded) parameters by ``full_state_dict``'s keys, all of
+        them; each rank keeps its slices. Every key and shape is checked before anything is
+        copied (ValueError)."""
+        has = [key for path, key in self._KEYS.items()
+               if functools.reduce(getattr, path.split("."), self) is not None]
+        _check_full_keys(state, has, type(self).__name__, required=has)
         parts = []
         for layer in ("fc1", "fc2"):
             parts += getattr(self, layer)._full_parts(

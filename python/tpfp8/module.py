@@ -161,10 +161,13 @@ class Linear(nn.Linear):
             return 0, 0
         return (1, None) if self.parallel_mode == "row" else (None, None)
 
+    _FULL_KEYS = ("weight", "bias")  # (the keys a full state dict of this class may hold)
+
     @torch.no_grad()
     def load_full_state_dict(self, state: dict) -> None:
         """Loads single-device (unsharded) ``weight`` / ``bias``; each rank keeps its slice.
-        Every shape is checked before anything is copied (ValueError)."""
+        Every key and shape is checked before anything is copied (ValueError)."""
+        _check_full_keys(state, self._FULL_KEYS, type(self).__name__)
         for param, value in self._full_parts(state):
             param.copy_(value)
 
@@ -182,7 +185,7 @@ class Linear(nn.Linear):
                 layer, other = ("has no", "has one") if param is None else ("has a", "none")
                 raise ValueError(f"load_full_state_dict: the layer {layer} {key(name)}, the "
                                  f"state {other}")
-            _check_full_shape(key(name), given, full)
+            _check_full_shape(key(name), given, full, param)
             parts.append((param, given if dim is None else self._shard(given, dim)))
         return parts
 
@@ -870,7 +873,27 @@ def _refuse_under_compile(message: str) -> None:
         raise RuntimeError(message)
 
 
-def _check_full_shape(name: str, given: torch.Tensor, full: tuple) -> None:
+def _check_full_keys(state: dict, known, owner: str, required=()) -> None:
+    """Refuses a full state dict's keys that `owner` has no parameter for, and lacks
+    `required` ones (None values count as absent)."""
+    given = {k for k, v in state.items() if v is not None}
+    unknown, missing = sorted(given - set(known)), sorted(set(required) - given)
+    if unknown or missing:
+        hint = (" (the FP8 state is no part of a full state dict: load_state_dict loads it)"
+                if any(k.endswith("_extra_state") for k in unknown) else "")
+        wrong = ", ".join(f"{what} keys {keys}" for what, keys in (("unknown", unknown),
+                                                                   ("missing", missing)) if keys)
+        raise ValueError(f"load_full_state_dict: {wrong}; {owner} takes {sorted(known)}{hint}")
+
+
+def _check_full_shape(name: str, given: torch.Tensor, full: tuple,
+                      into: torch.Tensor) -> None:
+    """`given`, to be copied into the parameter `into`: a tensor of the full shape, and with
+    values unless `into` is a meta tensor too."""
+    if not isinstance(given, torch.Tensor) or (given.is_meta and not into.is_meta):
+        what = "a meta tensor, which holds no values" if isinstance(given, torch.Tensor) else (
+            f"a {type(given).__name__}")
+        raise ValueError(f"load_full_state_dict: {name} is {what}; give a tensor")
     if tuple(given.shape) != tuple(full):
         raise ValueError(f"load_full_state_dict: {name} has shape {tuple(given.shape)}, the "
                          f"layer's single-device (unsharded) shape is {tuple(full)}")
