@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import compile as cases_runner  # noqa: E402  (bench/compile.py)
 import tpfp8  # noqa: E402
 from common import (add_energy_argument, add_settle_argument, device_name,  # noqa: E402
-                    gemm_autotune, make_parser, print_table, save_json)
+                    gemm_autotune, make_parser, print_table, save_json, settle_applied)
 
 SIZES = {"8b": (4096, 14336, 32, 8), "1b": (2048, 8192, 32, 8), "tiny": (64, 128, 4, 2)}
 # CUDA graphs (reduce-overhead, the whole step) for the bf16 baseline, the fused delayed layer
@@ -187,7 +187,7 @@ def main(argv=None):
                "torchao": cases_runner.torchao_version(), "gemm_autotune": gemm_autotune(),
                "batch": args.batch, "seq": args.seq,
                "reps": args.reps, "rounds": args.rounds, "warmup": args.warmup,
-               "settle_s": args.settle if args.device.startswith("cuda") else 0.0,
+               "settle_s": settle_applied(args),
                "fused_forms": cases_runner.FUSED_FORMS, "results": results})
     plotted = [n for n in names if any(r["cases"][n]["speedup_vs_faster_bf16"] for r in results)]
     cases_runner.save_plot(os.path.join(args.out, "block.png"), results, plotted, dev,

@@ -96,6 +96,11 @@ def seconds_arg(text: str) -> float:
     return value
 
 
+def settle_applied(args) -> float:
+    """The --settle seconds a run applies: none off the GPU (time_ms settles CUDA only)."""
+    return args.settle if args.device.startswith("cuda") else 0.0
+
+
 def add_settle_argument(parser: argparse.ArgumentParser, default: float = 0.5) -> None:
     """--settle SECONDS: untimed back-to-back steps before each timed window (settle)."""
     parser.add_argument("--settle", type=seconds_arg, default=default, metavar="SECONDS",

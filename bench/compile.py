@@ -58,7 +58,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (add_energy_argument, add_settle_argument, device_name,  # noqa: E402
                     energy_per_call, gemm_autotune, graphed, make_parser, parse_shapes,
-                    print_table, pyplot, save_json, time_ms)
+                    print_table, pyplot, save_json, settle_applied, time_ms)
 
 import tpfp8  # noqa: E402
 
@@ -563,7 +563,7 @@ def main(argv=None):
                "gemm_autotune": gemm_autotune(),
                "gelu": "exact (erf)", "dtype": "bf16 activations, parameters and gradients",
                "reps": args.reps, "rounds": args.rounds, "warmup": args.warmup,
-               "settle_s": args.settle if args.device.startswith("cuda") else 0.0,
+               "settle_s": settle_applied(args),
                "results": results})
     plotted = [n for n in names if any(r["cases"][n]["speedup_vs_faster_bf16"] for r in results)]
     save_plot(os.path.join(args.out, "compile.png"), results, plotted, dev)

@@ -262,8 +262,8 @@ class _TwoLayers(nn.Module):
         ``state_dict``'s keys (TransformerEngine's: ``fc1_weight``, ...)."""
         out = {}
         for layer in ("fc1", "fc2"):
-            for key, value in getattr(self, layer).full_state_dict().items():
-                out[self._KEYS[f"{layer}.{key}"]] = value
+            key = self._full_key(layer)
+            out.update((key(name), v) for name, v in getattr(self, layer).full_state_dict().items())
         return out
 
     @torch.no_grad()
@@ -271,15 +271,17 @@ class _TwoLayers(nn.Module):
         """Loads single-device (unsharded) parameters by ``full_state_dict``'s keys, all of
         them; each rank keeps its slices. Every key and shape is checked before anything is
         copied (ValueError)."""
-        has = [key for path, key in self._KEYS.items()
-               if functools.reduce(getattr, path.split("."), self) is not None]
+        has = [key for key in self._KEYS.values() if getattr(self, key) is not None]
         _check_full_keys(state, has, type(self).__name__, required=has)
         parts = []
         for layer in ("fc1", "fc2"):
-            parts += getattr(self, layer)._full_parts(
-                state, lambda name, layer=layer: self._KEYS[f"{layer}.{name}"])
+            parts += getattr(self, layer)._full_parts(state, self._full_key(layer))
         for param, value in parts:
             param.copy_(value)
+
+    def _full_key(self, layer: str):
+        """A parameter of `layer` (fc1 or fc2) -> its key here (TransformerEngine's name)."""
+        return lambda name: self._KEYS[f"{layer}.{name}"]
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None,
                 residual: Optional[torch.Tensor] = None):
