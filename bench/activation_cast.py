@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (device_name, make_parser, parse_shapes, print_table,  # noqa: E402
-                    save_bar_plot, save_json, time_ms)
+                    save_bar_plot, save_json, settle_applied, time_ms)
 
 import tpfp8  # noqa: E402,F401
 
@@ -136,7 +136,7 @@ def main(argv=None):
                  "bytes": nbytes}
             for name, fn in cases.items():
                 try:
-                    ms = time_ms(fn, args.device, reps, pipelined=True)
+                    ms = time_ms(fn, args.device, reps, pipelined=True, settle_s=args.settle)
                 except Exception as exc:  # (a compile failure must not lose the other rows)
                     print(f"  {name} failed: {type(exc).__name__}: {exc}", flush=True)
                     r[name] = {"ms": float("nan"), "GBps": float("nan"), "error": str(exc)}
@@ -163,7 +163,7 @@ def main(argv=None):
     print_table(["rows x n", "act", "dir"] + names + ["copy GB/s", "fused speed-up",
                                                       "fused current speed-up"], rows_out)
     save_json(os.path.join(args.out, "activation_cast.json"),
-              {"device": dev, "reps": reps, "results": results})
+              {"device": dev, "reps": reps, "settle_s": settle_applied(args), "results": results})
     labels = [f"{r['activation']} {r['direction']}\n{r['rows']}x{r['n']}" for r in results]
     save_bar_plot(os.path.join(args.out, "activation_cast.png"), labels,
                   {name: [r[name]["vs_copy"] * 100 for r in results] for name in names},

@@ -25,7 +25,7 @@ from torch.nn import functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import compile as cases_runner  # noqa: E402  (bench/compile.py)
 import tpfp8  # noqa: E402
-from common import (add_energy_argument, add_settle_argument, device_name,  # noqa: E402
+from common import (add_energy_argument, device_name,  # noqa: E402
                     gemm_autotune, make_parser, print_table, save_json, settle_applied)
 
 SIZES = {"8b": (4096, 14336, 32, 8), "1b": (2048, 8192, 32, 8), "tiny": (64, 128, 4, 2)}
@@ -148,7 +148,6 @@ def main(argv=None):
                         help="comma-separated substrings: only the cases whose name holds one "
                              "(bf16 cases always run: they are the baseline)")
     add_energy_argument(parser)
-    add_settle_argument(parser)
     parser.add_argument("--profile", default=None,
                         help="comma-separated substrings: a torch.profiler table of the matching "
                              "cases after timing, with the GPU's idle gaps, its time by kind of "

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (device_name, make_parser, parse_shapes, print_table,  # noqa: E402
-                    save_bar_plot, save_json, time_ms)
+                    save_bar_plot, save_json, settle_applied, time_ms)
 
 import tpfp8  # noqa: E402,F401
 
@@ -70,8 +70,8 @@ def main(argv=None):
         nbytes = m * k * 4  # 2 B read + 2 B written per element, for every method
         r = {"m": m, "k": k}
         for name, fn in cases.items():
-            ms = time_ms(fn, args.device, reps, pipelined=True)
-            single = time_ms(fn, args.device, reps)
+            ms = time_ms(fn, args.device, reps, pipelined=True, settle_s=args.settle)
+            single = time_ms(fn, args.device, reps, settle_s=args.settle)
             r[name] = {"ms": ms, "GBps": nbytes / ms / 1e6, "single_call_ms": single}
         ours, copy = r["tpfp8 cast_transpose"], r["copy"]
         r["vs_copy"] = ours["GBps"] / copy["GBps"]
@@ -88,7 +88,8 @@ def main(argv=None):
     print(f"\ncast_transpose bf16 -> FP8 E4M3 row+col, on {dev} (GB/s = bytes read + written)")
     print_table(["M x K", "tpfp8 ms", "tpfp8 GB/s", "torch GB/s", "copy GB/s", "tpfp8/copy",
                  "tpfp8/torch", "tpfp8/copy, 1 call"], rows)
-    save_json(os.path.join(args.out, "cast.json"), {"device": dev, "results": results})
+    save_json(os.path.join(args.out, "cast.json"),
+              {"device": dev, "settle_s": settle_applied(args), "results": results})
     labels = [f"{r['m']}x{r['k']}" for r in results]
     save_bar_plot(os.path.join(args.out, "cast.png"), labels,
                   {n: [r[n]["GBps"] for r in results]

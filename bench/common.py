@@ -12,8 +12,9 @@ import time
 import torch
 
 
-def make_parser(doc: str, shapes_help: str) -> argparse.ArgumentParser:
-    """The options every benchmark takes: --device, --reps, --out, --shapes."""
+def make_parser(doc: str, shapes_help: str, settle: bool = True) -> argparse.ArgumentParser:
+    """The options every benchmark takes: --device, --reps, --out, --shapes, and --settle
+    where its timings take it (`settle`)."""
     parser = argparse.ArgumentParser(description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -21,6 +22,8 @@ def make_parser(doc: str, shapes_help: str) -> argparse.ArgumentParser:
     parser.add_argument("--reps", type=int, default=50, help="timed repetitions per case")
     parser.add_argument("--out", default="bench/out", help="folder for the JSON and PNG results")
     parser.add_argument("--shapes", default=None, help=shapes_help)
+    if settle:
+        add_settle_argument(parser)
     return parser
 
 

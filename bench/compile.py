@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (add_energy_argument, add_settle_argument, device_name,  # noqa: E402
+from common import (add_energy_argument, device_name,  # noqa: E402
                     energy_per_call, gemm_autotune, graphed, make_parser, parse_shapes,
                     print_table, pyplot, save_json, settle_applied, time_ms)
 
@@ -521,7 +521,6 @@ def main(argv=None):
                         help="comma-separated substrings: run only the cases whose name holds "
                              "one (bf16 cases are always run: they are the baseline)")
     add_energy_argument(parser)
-    add_settle_argument(parser)
     parser.add_argument("--profile", default=None,
                         help="comma-separated substrings: after timing, print (and save in --out) "
                              "a torch.profiler table of 5 steps of each matching case, with the "

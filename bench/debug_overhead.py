@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (device_name, make_parser, parse_shapes, print_table,  # noqa: E402
-                    save_json, time_ms)
+                    save_json, settle_applied, time_ms)
 
 import tpfp8  # noqa: E402
 
@@ -36,9 +36,11 @@ def main(argv=None):
         off, on = [], []
         for _ in range(5):
             tpfp8.debug.shutdown()
-            off.append(time_ms(step, args.device, args.reps, pipelined=True))
+            off.append(time_ms(step, args.device, args.reps, pipelined=True,
+                               settle_s=args.settle))
             tpfp8.debug.initialize([{"layers": "attention", "features": {"log_stats": {}}}])
-            on.append(time_ms(step, args.device, args.reps, pipelined=True))
+            on.append(time_ms(step, args.device, args.reps, pipelined=True,
+                              settle_s=args.settle))
         tpfp8.debug.shutdown()
         t_off, t_on = min(off), min(on)
         results.append({"m": m, "k": k, "n": n, "off_ms": t_off, "on_ms": t_on})
@@ -46,7 +48,8 @@ def main(argv=None):
     dev = device_name(args.device)
     print(f"\ntpfp8.Linear fwd+bwd with tpfp8.debug initialised, no matching rule, on {dev}")
     print_table(["MxKxN", "debug off ms", "debug on ms", "overhead"], rows)
-    save_json(os.path.join(args.out, "debug_overhead.json"), {"device": dev, "results": results})
+    save_json(os.path.join(args.out, "debug_overhead.json"),
+              {"device": dev, "settle_s": settle_applied(args), "results": results})
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (device_name, make_parser, parse_shapes, print_table,  # noqa: E402
-                    save_bar_plot, save_json, time_ms)
+                    save_bar_plot, save_json, settle_applied, time_ms)
 
 from tpfp8 import ops  # noqa: E402
 
@@ -57,7 +57,7 @@ def main(argv=None):
         cases = make_cases(m, k, n, args.device)
         r = {"m": m, "k": k, "n": n}
         for name, fn in cases.items():
-            ms = time_ms(fn, args.device, args.reps, warmup=10)
+            ms = time_ms(fn, args.device, args.reps, warmup=10, settle_s=args.settle)
             r[name] = {"ms": ms, "tflops": 2 * m * n * k / ms / 1e9}
         ours = r["tpfp8 fast-acc"]["tflops"]
         ref = r.get("_scaled_mm fast-acc", {}).get("tflops", float("nan"))
@@ -72,7 +72,8 @@ def main(argv=None):
     print(f"\nGEMM TFLOP/s, E4M3 x E4M3 -> bf16, on {dev}")
     print_table(["MxKxN", "tpfp8 fast", "tpfp8 split", "_scaled_mm fast", "bf16 matmul",
                  "tpfp8/_scaled_mm", "tpfp8/bf16"], rows)
-    save_json(os.path.join(args.out, "gemm.json"), {"device": dev, "results": results})
+    save_json(os.path.join(args.out, "gemm.json"),
+              {"device": dev, "settle_s": settle_applied(args), "results": results})
     labels = [f"{r['m']}x{r['k']}x{r['n']}" for r in results]
     save_bar_plot(os.path.join(args.out, "gemm.png"), labels,
                   {n: [r[n]["tflops"] if n in r else 0 for r in results]

@@ -10,7 +10,9 @@ A step is what a training loop does per layer: gradients set to None, forward, b
 Each step is timed three ways: back to back (the steady state, the headline: best of --rounds
 rounds over all methods), one at a time (each waited for), and replayed from a CUDA graph of
 the step (GPU only: no host time at all, so the graphed ratio is what the GPU work alone
-gives; where it beats the eager ratio, the host is what limits the eager step).
+gives; where it beats the eager ratio, the host is what limits the eager step). On a GPU each
+timed window follows --settle seconds of the same step, so that every method is timed at the
+clocks of sustained work (bench/common.settle).
 """
 import os
 import sys
@@ -20,7 +22,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (device_name, graphed, make_parser, parse_shapes,  # noqa: E402
-                    print_table, save_bar_plot, save_json, time_ms)
+                    print_table, save_bar_plot, save_json, settle_applied, time_ms)
 
 import tpfp8  # noqa: E402
 
@@ -125,18 +127,21 @@ def saved_bytes(forward, m, k, device):
     return kept
 
 
-def measure(cases, device, reps, rounds):
+def measure(cases, device, reps, rounds, settle_s):
     """Each case's step time, three ways (module docstring), and its speed-ups over bf16. The
     steady state is the best of `rounds` rounds that each visit every case in turn, so a spell
-    of host noise (the small shapes are host-bound) does not fall on one method alone."""
+    of host noise (the small shapes are host-bound) does not fall on one method alone. Each
+    timed window follows `settle_s` seconds of the same step (common.settle)."""
     r = {name: {"ms": float("inf")} for name in cases}
     for _ in range(rounds):
         for name, fn in cases.items():
-            r[name]["ms"] = min(r[name]["ms"], time_ms(fn, device, reps, pipelined=True))
+            r[name]["ms"] = min(r[name]["ms"], time_ms(fn, device, reps, pipelined=True,
+                                                       settle_s=settle_s))
     for name, fn in cases.items():
-        r[name]["sync_ms"] = time_ms(fn, device, reps)
+        r[name]["sync_ms"] = time_ms(fn, device, reps, settle_s=settle_s)
         if device.startswith("cuda"):
-            r[name]["graph_ms"] = time_ms(graphed(fn), device, reps, pipelined=True)
+            r[name]["graph_ms"] = time_ms(graphed(fn), device, reps, pipelined=True,
+                                          settle_s=settle_s)
     for kind in ("", "sync_", "graph_"):
         base = r["bf16 nn.Linear"].get(kind + "ms", float("nan"))
         for name in cases:
@@ -174,7 +179,8 @@ def main(argv=None):
         if args.profile:  # a profiled process times differently: profile, don't time
             profile(cases, args.device)
             continue
-        r = {"m": m, "k": k, "n": n, **measure(cases, args.device, args.reps, args.rounds)}
+        r = {"m": m, "k": k, "n": n,
+             **measure(cases, args.device, args.reps, args.rounds, args.settle)}
         base = r["bf16 nn.Linear"]["ms"]
         for name, fwd in forwards.items():
             r[name]["saved_bytes"] = saved_bytes(fwd, m, k, args.device)
@@ -200,7 +206,8 @@ def main(argv=None):
     print_table(["MxKxN", "bf16 ms", "tpfp8 delayed", "tpfp8 current", "torch-native fp8",
                  "saved x vs bf16", "delayed, 1 step", "current, 1 step", "delayed, graphed",
                  "current, graphed"], rows)
-    save_json(os.path.join(args.out, "linear.json"), {"device": dev, "results": results})
+    save_json(os.path.join(args.out, "linear.json"),
+              {"device": dev, "settle_s": settle_applied(args), "results": results})
     labels = [f"{r['m']}x{r['k']}x{r['n']}" for r in results]
     names = [n for n in ("tpfp8 delayed", "tpfp8 current", "torch-native fp8") if n in results[0]]
     save_bar_plot(os.path.join(args.out, "linear.png"), labels,

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (device_name, make_parser, parse_shapes, print_table,  # noqa: E402
-                    save_bar_plot, save_json, time_ms)
+                    save_bar_plot, save_json, settle_applied, time_ms)
 
 import tpfp8  # noqa: E402,F401
 
@@ -119,7 +119,7 @@ def main(argv=None):
             r = {"m": m, "hidden": h, "norm": norm}
             for name, fn in cases.items():
                 ms = time_ms(fn, args.device, reps, warmup=2 if args.quick else 5,
-                             pipelined=True)
+                             pipelined=True, settle_s=args.settle)
                 moved = copy_bytes if name == COPY else nbytes
                 r[name] = {"ms": ms, "GBps": moved / ms / 1e6}
             copy_gbps = r[COPY]["GBps"]
@@ -136,7 +136,8 @@ def main(argv=None):
           "(GB/s of a fused pass's bytes, % of a copy's GB/s)")
     print_table(["norm M x H", "fused ms", FUSED, TORCH_THEN_CAST, COMPILED, "copy GB/s",
                  "speed-up vs unfused"], rows)
-    save_json(os.path.join(args.out, "norm_cast.json"), {"device": dev, "results": results})
+    save_json(os.path.join(args.out, "norm_cast.json"),
+              {"device": dev, "settle_s": settle_applied(args), "results": results})
     labels = [f"{r['norm'][:3]} {r['m']}x{r['hidden']}" for r in results]
     names = [n for n in (FUSED, TORCH_THEN_CAST, COMPILED, COPY) if n in results[0]]
     save_bar_plot(os.path.join(args.out, "norm_cast.png"), labels,

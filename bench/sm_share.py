@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (device_name, make_parser, print_table, save_bar_plot,  # noqa: E402
-                    save_json, time_ms)
+                    save_json, settle_applied, time_ms)
 
 TOKENS, HIDDEN, FFN = 8192, 4096, 16384
 
@@ -57,14 +57,15 @@ def at_once(gemm, kernel, side):
     return run
 
 
-def best_ms(fn, device, reps, rounds):
-    return min(time_ms(fn, device, reps, warmup=3, pipelined=True) for _ in range(rounds))
+def best_ms(fn, device, reps, rounds, settle_s):
+    return min(time_ms(fn, device, reps, warmup=3, pipelined=True, settle_s=settle_s)
+               for _ in range(rounds))
 
 
 def measure(name, kernel, gemm, side, carveouts, args):
     """One companion kernel at every carve-out (0 first: the baseline of "saved")."""
     def timed(fn):
-        return best_ms(fn, args.device, args.reps, args.rounds) * 1e3
+        return best_ms(fn, args.device, args.reps, args.rounds, args.settle) * 1e3
     alone, results = timed(kernel), []
     for c in carveouts:
         torch._C._set_sm_carveout_experimental(c if c else None)
@@ -102,10 +103,10 @@ def main(argv=None):
                 results += measure(name, kernel, gemm, side, carveouts, args)
     finally:
         torch._C._set_sm_carveout_experimental(None)
-    report(results, device_name(args.device), args.out)
+    report(results, device_name(args.device), args.out, settle_applied(args))
 
 
-def report(results, dev, out):
+def report(results, dev, out, settle_s):
     print(f"\nfc2's weight gradient (FP8 {HIDDEN}x{FFN}, K {TOKENS}) beside a memory-bound "
           f"kernel, us, on {dev}")
     print_table(["kernel", "SMs left out", "kernel alone", "GEMM alone", "in turn", "at once",
@@ -113,7 +114,8 @@ def report(results, dev, out):
                 [[r["kernel"], r["carveout"], f"{r['kernel_alone_us']:.1f}",
                   f"{r['gemm_us']:.1f}", f"{r['in_turn_us']:.1f}", f"{r['at_once_us']:.1f}",
                   f"{r['saved_us']:+.1f}"] for r in results])
-    save_json(os.path.join(out, "sm_share.json"), {"device": dev, "results": results})
+    save_json(os.path.join(out, "sm_share.json"),
+              {"device": dev, "settle_s": settle_s, "results": results})
     save_bar_plot(os.path.join(out, "sm_share.png"),
                   [f"{r['kernel']} -{r['carveout']}" for r in results],
                   {"in turn": [r["in_turn_us"] for r in results],

@@ -76,7 +76,8 @@ def time_steps(args):
 
 
 def main(argv=None):
-    parser = make_parser(__doc__, "unused")
+    # (No --settle: ranks settling for a time would run different counts of collectives.)
+    parser = make_parser(__doc__, "unused", settle=False)
     parser.add_argument("--time", action="store_true", help="time steps (run under torchrun)")
     parser.add_argument("--seq", type=int, default=8192, help="sequence length")
     parser.add_argument("--batch", type=int, default=1)

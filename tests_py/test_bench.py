@@ -32,6 +32,9 @@ RUNS = [
     ("host_time.py", ["--size", "32"], None),
     ("drift.py", ["--shape", "16x32", "--seconds", "1"], "drift.json"),
 ]
+# The scripts that take --settle (bench/common.settle), each recording what it applied.
+SETTLES = {"cast.py", "linear.py", "debug_overhead.py", "norm_cast.py", "activation_cast.py",
+           "compile.py", "block.py"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CI's smoke test of the benchmarks (220 s "
@@ -44,7 +47,10 @@ def test_benchmark_runs_on_the_cpu(script, args, written, tmp_path):
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     if written:
         with open(tmp_path / written) as f:
-            assert json.load(f), f"{written} is empty"
+            result = json.load(f)
+        assert result, f"{written} is empty"
+        if script in SETTLES:
+            assert result["settle_s"] == 0.0, "settling is for the GPU's clocks: none on the CPU"
 
 
 # bench/repeat.py with a stand-in benchmark: run n (0-based) writes ratio `ratios`[n] for case
@@ -180,6 +186,26 @@ def test_settle_runs_the_step_for_its_time_with_at_most_two_queued(monkeypatch):
     for bad in ("inf", "nan", "-1"):
         with pytest.raises(Exception, match="finite number of seconds"):
             common.seconds_arg(bad)
+
+
+def test_every_timed_window_of_linear_follows_the_settle_asked_for(monkeypatch):
+    """bench/linear.measure hands --settle to each of its timings (steady state, one step at a
+    time, graphed), so that no method is timed at an idle card's clocks."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import linear
+    seen = []
+
+    def fake_time_ms(fn, device, reps, warmup=5, pipelined=False, settle_s=0.0):
+        seen.append(settle_s)
+        return 1.0
+    monkeypatch.setattr(linear, "time_ms", fake_time_ms)
+    r = linear.measure({"bf16 nn.Linear": lambda: None, "tpfp8 delayed": lambda: None}, "cpu",
+                       reps=1, rounds=2, settle_s=0.7)
+    assert seen == [0.7] * 6  # 2 rounds x 2 cases, then each case one at a time
+    assert r["tpfp8 delayed"]["speedup_vs_bf16"] == 1.0
+    tp = subprocess.run([sys.executable, os.path.join("bench", "tp.py"), "--help"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=120)
+    assert tp.returncode == 0 and "--settle" not in tp.stdout, "tp.py's ranks cannot settle"
 
 
 def test_profile_kernel_kinds_name_every_kernel_of_a_real_profile(monkeypatch):
