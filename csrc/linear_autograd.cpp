@@ -309,22 +309,43 @@ void keep_residual(AutogradContext* ctx, const OptTensor& residual, const at::Te
     r = residual->is_same(x) && norm_backward_runs ? Residual::kFolded : Residual::kPassed;
   }
   ctx->saved_data["residual"] = static_cast<int64_t>(r);
-  int64_t edges = 0;  // (autograd's edges: the tensors given, an absent optional none)
-  for (const OptTensor& t : layer_inputs) edges += t.has_value() && t->defined();
-  ctx->saved_data["layer_edges"] = edges;
+  int64_t given = 0, bit = 1;  // (which layer inputs autograd has an edge for: those given)
+  for (const OptTensor& t : layer_inputs) {
+    if (t.has_value() && t->defined()) given |= bit;
+    bit <<= 1;
+  }
+  ctx->saved_data["layer_given"] = given;
 }
 Residual kept_residual(AutogradContext* ctx) {
   return static_cast<Residual>(ctx->saved_data["residual"].toInt());
 }
-// Whether autograd asks for the residual's gradient alone (torch.autograd.grad(loss, [r]), or a
-// frozen layer): the layer's backward is then skipped with its side effects (a gradient amax
-// recorded, main_grad written), as autograd skips a layer a separate add bypasses.
-bool residual_grad_only(AutogradContext* ctx) {
-  const int64_t edges = ctx->saved_data["layer_edges"].toInt();
-  for (int64_t i = 0; i < edges; ++i) {
-    if (ctx->needs_input_grad(i)) return false;
+// The layer inputs (bit i: forward's i-th tensor) whose gradients this backward asks for: not
+// all that require one under torch.autograd.grad(loss, inputs) or backward(inputs=...). The
+// edges are the tensors given, in order, an absent optional none.
+int64_t asked_inputs(AutogradContext* ctx) {
+  const int64_t given = ctx->saved_data["layer_given"].toInt();
+  int64_t asked = 0;
+  size_t edge = 0;
+  for (int64_t bit = 1; bit <= given; bit <<= 1) {
+    if ((given & bit) && ctx->needs_input_grad(edge++)) asked |= bit;
   }
-  return true;
+  return asked;
+}
+// A layer's Saved with the gradients this backward does not ask for dropped (`at`: each
+// gradient's input position, as place_grads), so that their GEMMs and side effects do not run:
+// main_grad untouched, as nn.Linear leaves weight.grad. `s` itself where all are asked for.
+c10::intrusive_ptr<Saved> narrowed(const c10::intrusive_ptr<Saved>& s, int64_t asked,
+                                   std::array<int, 5> at) {
+  const auto wanted = [asked, &at](size_t i) { return at[i] < 0 || (asked >> at[i]) & 1; };
+  if (wanted(0) && wanted(1) && wanted(2) && wanted(3) && wanted(4)) return s;
+  auto n = c10::make_intrusive<Saved>(*s);
+  n->need_dx = n->need_dx && wanted(0);
+  n->need_dw = n->need_dw && wanted(1);
+  if (!wanted(1)) n->main_grad.reset();
+  n->need_db = n->need_db && wanted(2);
+  n->need_dprologue_weight = n->need_dprologue_weight && wanted(3);
+  n->need_dprologue_bias = n->need_dprologue_bias && wanted(4);
+  return n;
 }
 // The gradients of an op's `inputs` where only the residual's is asked for: the output's.
 variable_list residual_grad(Residual r, const at::Tensor& grad, size_t inputs, size_t index) {
@@ -358,16 +379,20 @@ struct LinearAutograd : torch::autograd::Function<LinearAutograd> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const Residual residual = kept_residual(ctx);
-    if (residual_grad_only(ctx)) {
-      return residual_grad(residual, grads[0], kInputs, kResidual);
-    }
+    // (Only the residual's gradient asked for (torch.autograd.grad(loss, [r]), or a frozen
+    // layer): the layer's backward is skipped, as autograd skips a layer an add bypasses.)
+    const int64_t asked = asked_inputs(ctx);
+    if (asked == 0) return residual_grad(residual, grads[0], kInputs, kResidual);
     const auto s = saved_layer(ctx, "s");
     const auto saved = ctx->get_saved_variables();
-    // Grad mode on inside backward means create_graph=True (double backward).
+    // Grad mode on inside backward means create_graph=True (double backward), refused with
+    // fuse_wgrad_accumulation even where the weight's gradient is not asked for: a second
+    // backward would reach the weight through .grad, not main_grad.
     const at::Tensor dy = output_grad(grads[0], *s);
     variable_list out = at::GradMode::is_enabled()
                             ? differentiable_backward(dy, saved, *s)
-                            : backward_of(dy, saved, *s, grads[1], folded_grad(residual, grads[0]));
+                            : backward_of(dy, saved, *narrowed(s, asked, {0, 1, 2, 3, 4}), grads[1],
+                                          folded_grad(residual, grads[0]));
     if (residual == Residual::kPassed) out[kResidual] = grads[0];
     return out;
   }
@@ -413,16 +438,16 @@ variable_list LinearAutograd::differentiable_backward(const at::Tensor& dy,
   return out;
 }
 
-// Whether fc2 can hand fc1 its gradient in FP8 (GradHandoff): FP8 without debugging (which
-// needs the high-precision values) and an activation between them (its pass also makes fc1's
-// bias gradient); not to a row-parallel fc1 with sequence parallelism, which gathers its
-// gradient in its own cast.
+// Whether fc2 can hand fc1 its gradient in FP8 (GradHandoff): FP8 with neither layer debugged
+// (fc1's debug quantizer needs its gradient's high-precision values) and an activation between
+// them (its pass also makes fc1's bias gradient); not to a row-parallel fc1 with sequence
+// parallelism, which gathers its gradient in its own cast.
 bool hands_off(const Saved& fc1, const Saved& fc2) {
   const Config& c = fc2.c;
   const bool fc1_gathers =
       fc1.c.parallel_mode == static_cast<int64_t>(ParallelMode::kRow) && fc1.c.sequence_parallel;
-  return c.scaling != 0 && c.debug.empty() && !c.norm() && c.prologue != 0 && fc2.need_dx &&
-         !fc1_gathers;
+  return c.scaling != 0 && c.debug.empty() && fc1.c.debug.empty() && !c.norm() && c.prologue != 0 &&
+         fc2.need_dx && !fc1_gathers;
 }
 
 struct MlpAutograd : torch::autograd::Function<MlpAutograd> {
@@ -450,10 +475,14 @@ struct MlpAutograd : torch::autograd::Function<MlpAutograd> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const Residual residual = kept_residual(ctx);
-    if (residual_grad_only(ctx)) {
-      return residual_grad(residual, grads[0], kInputs, kResidual);
+    const int64_t asked = asked_inputs(ctx);
+    if (asked == 0) return residual_grad(residual, grads[0], kInputs, kResidual);
+    const auto s1 = narrowed(saved_layer(ctx, "fc1"), asked, {0, 1, 2, 3, 4});
+    auto s2 = narrowed(saved_layer(ctx, "fc2"), asked, {-1, 5, 6, -1, -1});
+    if (s2->need_dx && !(s1->need_dgrad() || s1->need_wgrad() || s1->need_db)) {
+      s2 = c10::make_intrusive<Saved>(*s2);  // (fc1 has nothing asked of it: no dgrad for it)
+      s2->need_dx = false;
     }
-    const auto s1 = saved_layer(ctx, "fc1"), s2 = saved_layer(ctx, "fc2");
     TORCH_CHECK(!at::GradMode::is_enabled(),
                 "tpfp8.MLP and LayerNormMLP do not support double backward (create_graph=True)");
     const auto saved = ctx->get_saved_variables();

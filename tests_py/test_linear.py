@@ -181,6 +181,33 @@ def test_a_layer_an_inner_block_ran_under_another_recipe_is_updated_by_that_one(
     assert float(bwd_state(b)["scale"][0]) == np.float32(448.0) / amax
 
 
+def test_a_layer_run_in_nested_blocks_is_updated_once_at_the_outer_exit():
+    """A layer run in an fp8_autocast block and in one nested in it is updated once a step,
+    at the outermost exit, as if both calls ran in one block (the inner exit used to update it
+    too: an empty history row, and a checkpointed call's recompute then refused)."""
+    recipe = tpfp8.DelayedScaling(amax_history_len=4)
+    nested, flat = make(seed=8)[0], make(seed=8)[0]
+    for _ in range(2):
+        x = torch.randn(16, 32)
+        with tpfp8.fp8_autocast(recipe=recipe):
+            h = nested(x)[:, :32]
+            with tpfp8.fp8_autocast(recipe=recipe):
+                y = nested(h)
+        y.sum().backward()
+        with tpfp8.fp8_autocast(recipe=recipe):
+            y = flat(flat(x)[:, :32])
+        y.sum().backward()
+        for a, b in zip(state_of(nested), state_of(flat), strict=True):
+            assert torch.equal(a, b)
+    x = torch.randn(16, 32, requires_grad=True)
+    with tpfp8.fp8_autocast(recipe=recipe):
+        h = torch.utils.checkpoint.checkpoint(nested, x, use_reentrant=False)[:, :32]
+        with tpfp8.fp8_autocast(recipe=recipe):
+            y = nested(h)
+    y.sum().backward()
+    assert x.grad is not None
+
+
 def test_save_original_input_is_bit_identical_with_current_scaling():
     x, dy = torch.randn(4, 16, 32), torch.randn(4, 16, 48)
     def ctx():
@@ -241,6 +268,43 @@ def test_main_grad_accumulates_over_microbatches():
         assert lin.weight.grad is None
         total += run(plain, x, dy, ctx(), is_first_microbatch=(i == 0))[2]
     assert rel(lin.weight.main_grad, total) <= 1e-6
+
+
+@pytest.mark.parametrize("recipe", [None, tpfp8.DelayedScaling(), tpfp8.CurrentScaling()])
+def test_a_backward_asking_for_the_input_alone_leaves_main_grad(recipe):
+    """torch.autograd.grad(loss, x) (or backward(inputs=[x])) leaves main_grad as it was, as
+    nn.Linear leaves weight.grad (it used to run the weight-gradient GEMM into main_grad
+    anyway), and x's gradient is the full backward's."""
+    lin = make(seed=10, fuse_wgrad_accumulation=True)[0]
+    x, dy = torch.randn(16, 32, requires_grad=True), torch.randn(16, 48)
+    for first in (True, False):
+        with tpfp8.fp8_autocast(enabled=recipe is not None, recipe=recipe):
+            y = lin(x, is_first_microbatch=first)
+        before = lin.weight.main_grad.clone()
+        (dx,) = torch.autograd.grad(y, x, dy, retain_graph=True)
+        assert torch.equal(lin.weight.main_grad, before)
+        y.backward(dy, inputs=[x], retain_graph=True)
+        assert torch.equal(lin.weight.main_grad, before)
+        y.backward(dy)
+        assert torch.equal(x.grad, 2 * dx)
+        x.grad = None
+
+
+def test_fp8_state_is_float32_under_any_default_dtype():
+    """Hugging Face builds a bf16 model under torch.set_default_dtype(bf16): a layer made
+    there keeps its FP8 state and weight cache in float32 (the kernels' dtype) and trains (its
+    state used to take the default dtype, and the first FP8 call raised)."""
+    for default in (torch.bfloat16, torch.float64):
+        torch.set_default_dtype(default)
+        try:
+            lin = tpfp8.Linear(32, 16, dtype=torch.bfloat16)
+            for recipe in (tpfp8.DelayedScaling(), tpfp8.CurrentScaling()):
+                with tpfp8.fp8_autocast(recipe=recipe):
+                    lin(torch.randn(8, 32, dtype=torch.bfloat16), is_first_microbatch=True)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        assert {t.dtype for t in lin.buffers()} == {torch.float32, torch.uint8}, default
+        assert lin.get_extra_state().dtype == torch.float32
 
 
 def test_a_replaced_main_grad_receives_the_next_gradient():

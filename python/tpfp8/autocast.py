@@ -58,7 +58,9 @@ def fp8_autocast(enabled: bool = True, recipe=None, amax_group=None):
     of its output gradient from the backward passes run since its last update (the previous
     step's): a handful of launches for all of them together, no host synchronisation. One
     mechanism for both directions, so a CUDA graph of a training step updates nothing behind
-    the caller's back.
+    the caller's back. A block nested in an enabled one (a model that opens its own inside
+    the training loop's) leaves its modules to the outermost block's exit, as
+    TransformerEngine does: a module run in both is updated once a step.
     """
     if recipe is None:
         recipe = DelayedScaling()
@@ -69,13 +71,19 @@ def fp8_autocast(enabled: bool = True, recipe=None, amax_group=None):
     entered = frame(recipe, amax_group) if enabled else None
     if entered is None:
         _scaling.scaling_code(recipe)
-    _stack().append(entered)
+    stack = _stack()
+    stack.append(entered)
     try:
         yield
     finally:
-        _stack().pop()
+        stack.pop()
         if entered is not None:
-            _scaling.update(entered["ran"].values())
+            outer = next((f for f in reversed(stack) if f is not None), None)
+            if outer is None:
+                _scaling.update(entered["ran"].values())
+            else:  # (in the order their forwards ran: every rank updates in the same order)
+                for layer in entered["ran"]:
+                    outer["ran"].setdefault(layer, layer)
 
 
 def _is_group(value) -> bool:

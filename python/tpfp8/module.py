@@ -43,12 +43,16 @@ class Linear(nn.Linear):
             there (not with delayed scaling), instead of the 1-byte column-wise FP8 copy.
         fuse_wgrad_accumulation: write the weight gradient into ``weight.main_grad`` (fp32,
             allocated if missing) instead of ``weight.grad``: overwritten by the backward of an
-            ``is_first_microbatch=True`` call, accumulated by the others. Run each
-            micro-batch's backward before the next micro-batch's (as gradient accumulation
-            and pipeline schedules do): one backward through several micro-batches' outputs
-            runs their backwards last first, so the first one's overwrite would drop the
-            others' gradients; there, pass ``is_first_microbatch=None`` and zero
-            ``main_grad`` yourself.
+            ``is_first_microbatch=True`` call, accumulated by the others. The overwrite
+            belongs to that call's backward, every time it runs, so it must be the first to
+            reach ``main_grad`` in a step: run each micro-batch's backward before the next
+            micro-batch's (as gradient accumulation and pipeline schedules do). Where it is
+            not -- one backward through several micro-batches' outputs (their backwards run
+            last first), a layer called twice with ``is_first_microbatch=True`` in one
+            micro-batch (a shared or tied layer), two backwards through one forward
+            (``retain_graph=True``) -- the overwrite drops the gradients before it: there,
+            pass ``is_first_microbatch=None`` and zero ``main_grad`` yourself, as
+            TransformerEngine users do.
         return_bias: return ``(y_without_bias, bias)`` so the caller can fuse the bias later.
         name: a label for debugging tools.
         parallel_mode: None, ``"column"`` (``Y = X [A_1 .. A_p]``: this rank holds
@@ -241,7 +245,7 @@ class Linear(nn.Linear):
         delayed-scaling step): what Hugging Face's ``save_pretrained`` and safetensors take, and
         ``torch.load(..., weights_only=True)`` reads."""
         if self._fp8_recipe is None:
-            return torch.empty(0, device=self.weight.device)
+            return torch.empty(0, device=self.weight.device, dtype=torch.float32)
         return _scaling.to_tensor(self._state(), self._fp8_recipe)
 
     def set_extra_state(self, state) -> None:
@@ -637,7 +641,7 @@ class Linear(nn.Linear):
             u8 = {"dtype": torch.uint8, "device": self.weight.device}
             with torch.inference_mode(False):  # state outlives an inference_mode call
                 cache = (torch.empty(n, k, **u8), torch.empty(k, n, **u8),
-                         torch.empty(1, device=self.weight.device))
+                         torch.empty(1, device=self.weight.device, dtype=torch.float32))
         return (_WEIGHT_CACHE_FILL if is_first_microbatch else _WEIGHT_CACHE_REUSE), cache, new
 
     def _forward_record(self, frame) -> "_checkpointing.Forward":

@@ -56,12 +56,13 @@ def maxima(recipe: DelayedScaling) -> tuple:
 
 
 def fresh(recipe: DelayedScaling, device) -> tuple:
-    """Scales 1, histories zero. Never inference tensors, so state first made under
-    ``torch.inference_mode`` still loads and trains."""
+    """Scales 1, histories zero, in float32 whatever torch's default dtype (Hugging Face
+    builds a bf16 model under a bf16 default). Never inference tensors, so state first made
+    under ``torch.inference_mode`` still loads and trains."""
     with torch.inference_mode(False):
-        length = recipe.amax_history_len
-        return (torch.ones(3, device=device), torch.ones(3, device=device),
-                torch.zeros(2, length, device=device), torch.zeros(1, length, device=device))
+        length, f32 = recipe.amax_history_len, {"device": device, "dtype": torch.float32}
+        return (torch.ones(3, **f32), torch.ones(3, **f32), torch.zeros(2, length, **f32),
+                torch.zeros(1, length, **f32))
 
 
 def adopted(state: tuple, old: DelayedScaling, recipe: DelayedScaling, device) -> tuple:
@@ -73,7 +74,8 @@ def adopted(state: tuple, old: DelayedScaling, recipe: DelayedScaling, device) -
     scale, scale_inv, *histories = state
     length, ratio = recipe.amax_history_len, None
     if maxima(recipe) != maxima(old):
-        ratio = torch.tensor([n / o for n, o in zip(maxima(recipe), maxima(old))])
+        ratio = torch.tensor([n / o for n, o in zip(maxima(recipe), maxima(old))],
+                             dtype=torch.float32)
     if histories[0].shape[1] == length and ratio is None and scale.device == device:
         return state
     with torch.inference_mode(False):

@@ -22,7 +22,7 @@ def _torch_cast(x, scale, dtype):
 def check(device: str) -> list:
     failures = []
     x = torch.randn(257, 129, device=device, dtype=torch.bfloat16) * 30
-    scale = torch.tensor([3.0], device=device)
+    scale = torch.tensor([3.0], device=device, dtype=torch.float32)
     q = ops.cast_transpose(x, scale, "e4m3")
     want = _torch_cast(x, scale, torch.float8_e4m3fn)
     checks = {
