@@ -213,17 +213,19 @@ class _BackwardCalls(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize("bias, debug, recipe, handed", [
-    (False, False, "delayed", True), (False, False, "current", True),
-    (True, False, "delayed", True), (True, False, "current", True),
-    (False, True, "delayed", False), (False, False, "high precision", False)])
+    (False, None, "delayed", True), (False, None, "current", True),
+    (True, None, "delayed", True), (True, None, "current", True),
+    (False, "fc2", "delayed", False), (False, "fc1", "delayed", False),
+    (True, "fc1", "current", False), (False, None, "high precision", False)])
 @pytest.mark.parametrize("norm", ["RMSNorm", None], ids=["LayerNormMLP", "MLP"])
 def test_mlp_backward_hands_fc1_its_gradient_in_fp8(bias, debug, recipe, handed, norm):
     """fc2's backward casts fc1's gradient in the activation backward's pass (with its column
     sums, fc1's bias gradient, where fc1 has a bias), and fc1's backward takes it; not when
-    debugging or outside FP8."""
+    either layer is debugged (fc1's debug quantizer needs its gradient's high-precision values)
+    or outside FP8."""
     mlp, *_ = mlp_and_composition("cpu", "swiglu", bias, norm=norm)
-    mlp.fc2.name = "probe"
     if debug:
+        getattr(mlp, debug).name = "probe"
         tpfp8.debug.initialize([{"layers": "probe", "features": {"log_stats": {}}}])
     try:
         x = torch.randn(48, 64, requires_grad=True)
@@ -550,6 +552,74 @@ def test_the_norm_and_the_activation_are_fixed_after_construction(make, name, va
     layer.eps = 1e-3 if name == "normalization" else None  # (read at every call: settable)
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_an_mlps_settings_are_its_layers(recipe):
+    """LayerNormMLP's eps, normalization and return_layernorm_output are fc1's, its activation
+    fc2's (MLP's too), as TransformerEngine's attributes of those names: set afterwards they
+    act as at construction (a copy of them used to be ignored: return_layernorm_output set later
+    returned an empty or gradient-less tensor, eps changed nothing)."""
+    torch.manual_seed(0)
+    mlp = tpfp8.LayerNormMLP(64, 32, activation="swiglu")
+    assert (mlp.eps, mlp.normalization, mlp.activation) == (1e-5, "LayerNorm", "swiglu")
+    assert tpfp8.MLP(64, 32, activation="gelu").activation == "gelu"
+    want = tpfp8.LayerNormMLP(64, 32, eps=0.5, activation="swiglu",
+                              return_layernorm_output=True)
+    want.load_state_dict(mlp.state_dict())
+    mlp.eps, mlp.return_layernorm_output = 0.5, True
+    assert mlp.fc1.eps == 0.5 and mlp.fc1.return_layernorm_output
+    x = torch.randn(16, 64)
+
+    def both(out):
+        y, normalized = out
+        assert normalized.requires_grad
+        return torch.cat([y, normalized], dim=-1)
+    for got, expected in zip(train_step(mlp, x, RECIPES[recipe], both),
+                             train_step(want, x, RECIPES[recipe], both)):
+        assert_same(got, expected)
+    for name, value in (("normalization", "RMSNorm"), ("activation", "gelu")):
+        with pytest.raises(AttributeError, match=f"{name} is fixed"):
+            setattr(mlp, name, value)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("cls", [tpfp8.MLP, tpfp8.LayerNormMLP])
+def test_an_mlp_backward_runs_only_what_is_asked_for(cls, recipe):
+    """backward(inputs=...) asking for fc2's weight alone writes fc2's main_grad and leaves
+    fc1's (and x) alone; asking for x alone leaves both main_grads, as nn.Linear leaves
+    weight.grad. Each asked-for gradient is the full backward's."""
+    torch.manual_seed(0)
+    mlp = cls(64, 32, activation="swiglu", fuse_wgrad_accumulation=True)
+    x = torch.randn(16, 64, requires_grad=True)
+    with tpfp8.fp8_autocast(enabled=recipe != "high precision", recipe=RECIPES[recipe]):
+        y = mlp(x, is_first_microbatch=True)
+    dy = torch.randn_like(y)
+    y.backward(dy, retain_graph=True)
+    full = [x.grad.clone(), mlp.fc1.weight.main_grad.clone(), mlp.fc2.weight.main_grad.clone()]
+    for main_grad in (mlp.fc1.weight.main_grad, mlp.fc2.weight.main_grad):
+        main_grad.fill_(7.0)
+    x.grad = None
+    y.backward(dy, inputs=[mlp.fc2.weight], retain_graph=True)  # (overwrites: first micro-batch)
+    assert x.grad is None and torch.equal(mlp.fc2.weight.main_grad, full[2])
+    assert bool((mlp.fc1.weight.main_grad == 7.0).all())
+    (dx,) = torch.autograd.grad(y, x, dy)
+    assert torch.equal(dx, full[0]) and bool((mlp.fc1.weight.main_grad == 7.0).all())
+    assert torch.equal(mlp.fc2.weight.main_grad, full[2])
+
+
+@pytest.mark.parametrize("cls", [tpfp8.MLP, tpfp8.LayerNormMLP])
+def test_an_mlp_built_on_meta_initialises_with_reset_parameters(cls):
+    """The deferred-initialisation recipe (meta, to_empty, reset_parameters) gives the
+    parameters the constructor gives, as for tpfp8.Linear."""
+    torch.manual_seed(0)
+    want = cls(64, 32, activation="swiglu")
+    mlp = cls(64, 32, activation="swiglu", device="meta").to_empty(device="cpu")
+    torch.manual_seed(0)
+    mlp.reset_parameters()
+    for (name, got), expected in zip(mlp.state_dict().items(), want.state_dict().values()):
+        if torch.is_tensor(got) and got.numel():
+            assert torch.equal(got, expected), name
+
+
 @pytest.mark.parametrize("cls", [tpfp8.MLP, tpfp8.LayerNormMLP])
 @pytest.mark.parametrize("layer", ["fc1", "fc2"])
 def test_return_bias_on_an_mlp_layer_is_refused(cls, layer):
@@ -843,10 +913,22 @@ class _CallsAChildsNorm(nn.Module):
         return self.block(x) + self.block.norm(x).sum()
 
 
-@pytest.mark.parametrize("make", [_CallsTheNormToo, _CallsAChildsNorm])
+class _ReadsTheNormsWeight(nn.Module):
+    """norm -> fc, the forward also reading the norm's weight (its dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.fc(self.norm(x.to(self.norm.weight.dtype)))
+
+
+@pytest.mark.parametrize("make", [_CallsTheNormToo, _CallsAChildsNorm, _ReadsTheNormsWeight])
 def test_swap_fused_leaves_a_norm_called_from_elsewhere(make):
-    """A norm that another forward also calls stays a norm: fused, its slot became an
-    Identity, and that other call returned its input, silently."""
+    """A norm that another forward also calls, or whose weight it reads, stays a norm: fused,
+    its slot became an Identity, and that other call returned its input, silently (or the
+    read raised)."""
     torch.manual_seed(0)
     model = make()
     x = torch.randn(8, 64)
@@ -855,6 +937,28 @@ def test_swap_fused_leaves_a_norm_called_from_elsewhere(make):
     torch.testing.assert_close(model(x), want)
     assert not any(type(m) is nn.Identity and name.endswith(("0", "norm"))
                    for name, m in model.named_modules())
+
+
+def test_swap_fused_keeps_the_mode_and_fp8_state_of_what_it_replaces():
+    """A trained tpfp8.Linear's delayed-scaling state (scales, histories, recipe) goes to the
+    fused layer, whose input is the same tensor, and an eval model stays in eval. (It used to
+    start again from scales of 1, in training mode.) The next FP8 step is the unfused model's
+    within FP8 error (torch's LayerNorm rounds differently from the fused kernel), with the
+    same update schedule."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(64), tpfp8.Linear(64, 32))
+    for _ in range(3):
+        train_step(model, torch.randn(8, 64) * 50, DELAYED)
+    model.eval()
+    plain = copy.deepcopy(model)
+    tpfp8.swap_fused(model)
+    assert type(model[1]) is tpfp8.LayerNormLinear
+    assert not any(m.training for m in model.modules())
+    assert torch.equal(model[1].get_extra_state(), plain[1].get_extra_state())
+    x = torch.randn(8, 64) * 50
+    got, want = train_step(model, x, DELAYED)[0], train_step(plain, x, DELAYED)[0]
+    assert float((got - want).norm() / want.norm()) < 2e-2
+    assert torch.equal(model[1].fp8_scale, plain[1].fp8_scale)
 
 
 def test_swap_fused_follows_traced_data_flow():

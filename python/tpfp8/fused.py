@@ -77,7 +77,11 @@ class LayerNormLinear(_GatedShards, Linear):
     twice (an amax pass first: the scale must be known before the first byte is cast);
     delayed scaling once. Debugging and ``save_original_input`` use the high-precision
     normalized tensor, which then gets the ordinary cast. The norm's backward runs on dgrad's
-    output.
+    output. Under ``torch.autocast`` the norm reads ``x`` in the autocast dtype, as
+    TransformerEngine's modules do, where torch's autocast runs ``nn.LayerNorm`` in fp32: for
+    an fp32 input whose rows have a large mean against their spread (a residual stream), the
+    fused LayerNorm loses that much more precision; keep such a norm in torch, before a
+    ``tpfp8.Linear``.
 
     Args:
         in_features, out_features, bias, device, dtype: as ``tpfp8.Linear``.
@@ -279,6 +283,12 @@ class _TwoLayers(nn.Module):
         for param, value in parts:
             param.copy_(value)
 
+    def reset_parameters(self) -> None:
+        """Initialises fc1's and fc2's parameters as their constructors do (deferred
+        initialisation: build on ``device="meta"``, ``to_empty()``, then this)."""
+        self.fc1.reset_parameters()
+        self.fc2.reset_parameters()
+
     def _full_key(self, layer: str):
         """A parameter of `layer` (fc1 or fc2) -> its key here (TransformerEngine's name)."""
         return lambda name: self._KEYS[f"{layer}.{name}"]
@@ -380,7 +390,6 @@ class LayerNormMLP(_TwoLayers):
                           set_parallel_mode, name, device=device, dtype=dtype, tp_group=tp_group,
                           sequence_parallel=sequence_parallel,
                           fuse_wgrad_accumulation=fuse_wgrad_accumulation)
-        self.return_layernorm_output = return_layernorm_output
 
     def _outputs(self, y, normalized):
         return (y, normalized) if self.return_layernorm_output else y
@@ -391,10 +400,22 @@ def _te_name(path: str) -> property:
                     doc=f"``{path}`` by TransformerEngine's name (read-only)")
 
 
-# The parameters by TransformerEngine's names too, as attributes (its state_dict keys).
+def _setting_of(layer: str, name: str) -> property:
+    """The MLP's setting `name`, which its `layer` (fc1 or fc2) holds and uses: read and set
+    there (where the layer refuses a change, so does the MLP), so that the two never differ."""
+    return property(lambda self: getattr(getattr(self, layer), name),
+                    lambda self, value: setattr(getattr(self, layer), name, value),
+                    doc=f"``{layer}.{name}``")
+
+
+# The parameters by TransformerEngine's names too, as attributes (its state_dict keys); its
+# settings, as the layers that use them hold them.
 for _cls in (MLP, LayerNormMLP):
     for _path, _name in _cls._KEYS.items():
         setattr(_cls, _name, _te_name(_path))
+    _cls.activation = _setting_of("fc2", "activation")
+for _name in ("eps", "normalization", "return_layernorm_output"):
+    setattr(LayerNormMLP, _name, _setting_of("fc1", _name))
 
 
 def swap_fused(model: nn.Module) -> nn.Module:
@@ -408,8 +429,15 @@ def swap_fused(model: nn.Module) -> nn.Module:
     Linear each called once, the norm's output used by that Linear alone, as its only argument.
     A norm whose width the fused kernel cannot take (see ``LayerNormLinear``) stays unfused.
     Modules shared between places in the tree, untraceable ``forward``s (data-dependent
-    control flow) and a norm feeding several projections (q, k and v) are left as they are;
-    convert the remaining ``nn.Linear`` layers with :func:`tpfp8.swap_linear`. The new modules
+    control flow), a norm feeding several projections (q, k and v) and a norm or Linear whose
+    tensors a traced forward also reads (``self.norm.weight.dtype``) are left as they are;
+    convert the remaining ``nn.Linear`` layers with :func:`tpfp8.swap_linear`. What an
+    untraceable ``forward`` calls is not seen: one that reaches into a fused pair's norm
+    (``self.block.norm(x)``) gets its input back from the norm's ``nn.Identity`` slot, so fuse
+    such a model by hand. The new layer keeps the replaced one's training mode and, from a
+    ``tpfp8.Linear``, its settings and FP8 state. Under ``torch.autocast`` a fused norm reads
+    its input in the autocast dtype, not in fp32 as torch's autocast runs ``nn.LayerNorm`` (see
+    ``LayerNormLinear``). The new modules
     hold the same parameters, so the state dict changes names: the norm's ``weight`` / ``bias``
     move under the Linear's name as ``layer_norm_weight`` / ``layer_norm_bias`` (as in
     TransformerEngine's modules). Load a plain model's checkpoint before fusing, and save the
@@ -451,7 +479,7 @@ def _fuse_pair(owner: nn.Module, a: str, b: str, shared: set, calls: collections
     else:
         return
     _set_submodule(owner, b, fused)
-    _set_submodule(owner, a, nn.Identity())
+    _set_submodule(owner, a, nn.Identity().train(first.training))
 
 
 def _shared_modules(model: nn.Module) -> set:
@@ -489,6 +517,11 @@ def _traced_calls(owner: nn.Module) -> tuple:
         return [], collections.Counter()
     calls = [n for n in graph.nodes if n.op == "call_module"]
     count = collections.Counter(n.target for n in calls)
+    # A tensor of a submodule read directly (`self.norm.weight.dtype`) counts as a use of it:
+    # once fused, a norm's slot is an Identity without its parameters.
+    modules = dict(owner.named_modules())
+    count.update(path for path in (n.target.rpartition(".")[0] for n in graph.nodes
+                                   if n.op == "get_attr") if path and path in modules)
     by_module = collections.Counter()
     for target, n in count.items():
         by_module[id(owner.get_submodule(target))] += n
@@ -542,10 +575,13 @@ def _activation_linear(lin) -> ActivationLinear:
 
 
 def _adopted(new: Linear, old) -> Linear:
-    """`new` with a tpfp8.Linear `old`'s settings, and fresh FP8 state on its weight's
-    device."""
+    """`new` in `old`'s training mode, with a tpfp8.Linear `old`'s settings and FP8 state (its
+    input is the same tensor: the norm's or the GELU's output), else fresh state, on its
+    weight's device."""
     for attr in ("save_original_input", "fuse_wgrad_accumulation", "return_bias", "name"):
         if hasattr(old, attr):
             setattr(new, attr, getattr(old, attr))
     new._reset_fp8_state()
-    return new
+    if isinstance(old, Linear):
+        new.set_extra_state(old.get_extra_state())
+    return new.train(old.training)
