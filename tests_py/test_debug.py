@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import tpfp8
+from conftest import state_of
 from fp8_oracle import current_scale, fake_quant
 
 GEMMS = ("fprop", "dgrad", "wgrad")
@@ -169,6 +170,74 @@ def test_statistics_describe_what_each_gemm_consumed(tmp_path):
     assert "scale_inv" not in wgrad
     lines = (tmp_path / "tpfp8_debug_rank0.jsonl").read_text().splitlines()
     assert [json.loads(line)["gemm"] for line in lines] == ["fprop", "wgrad"]
+
+
+ALL_LOGGED = [{"layers": "fc1", "features": {"log_stats": {}}}]
+
+
+def test_a_failed_report_is_dropped_with_a_warning_and_changes_nothing(tmp_path):
+    """A report that cannot be written (the log folder gone mid-run) used to raise out of
+    the op after its delayed-scaling amax was recorded: a failed call that changed the next
+    scale. The call now completes as with no rule, the report goes to records() alone, and a
+    warning says why."""
+    recipe = tpfp8.DelayedScaling(amax_history_len=4)
+    logged, plain = layer(3), layer(3)
+    plain.name = "unlogged"
+    log_dir = tmp_path / "logs"
+    tpfp8.debug.initialize(ALL_LOGGED, log_dir=str(log_dir))
+    log_dir.rmdir()
+    log_dir.write_text("a file where the folder was")
+    x, dy = torch.randn(16, 32), torch.randn(16, 48)
+    with pytest.warns(RuntimeWarning, match="cannot write"):
+        for lin in (logged, plain):
+            with tpfp8.fp8_autocast(recipe=recipe):
+                y = lin(x.clone().requires_grad_(True))
+            y.backward(dy)
+    assert len(tpfp8.debug.records()) == 6  # (each GEMM's two operands)
+    for a, b in zip(state_of(logged), state_of(plain), strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(logged.weight.grad, plain.weight.grad)
+
+
+def test_a_layer_no_token_reached_reports_no_values():
+    """Zero rows (an expert no token was routed to): the layer runs, and its reports say n 0
+    with no minimum, maximum, mean or std (u.min() of nothing used to raise in the op)."""
+    tpfp8.debug.initialize(ALL_LOGGED)
+    y, dx, dw = run(layer(), torch.randn(0, 32), torch.randn(0, 48))
+    assert y.shape == (0, 48) and torch.equal(dw, torch.zeros_like(dw))
+    records = tpfp8.debug.records()
+    assert {r["tensor"] for r in records if r["n"] == 0} == {"activation", "gradient"}
+    for r in records:
+        if r["n"] == 0:
+            assert (r["min"], r["max"], r["mean"], r["std"], r["amax"]) == (None,) * 4 + (0.0,)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_checkpointed_layer_reports_each_gemm_once(use_reentrant):
+    """A recomputed forward reports nothing again: each GEMM's operands once a step, as
+    without checkpointing (the recompute used to repeat the forward's reports)."""
+    tpfp8.debug.initialize(ALL_LOGGED)
+    lin = layer()
+    x = torch.randn(16, 32, requires_grad=True)
+    with tpfp8.fp8_autocast(recipe=tpfp8.CurrentScaling()):
+        y = torch.utils.checkpoint.checkpoint(lin, x, use_reentrant=use_reentrant)
+    y.backward(torch.randn(16, 48))
+    seen = [(r["gemm"], r["tensor"]) for r in tpfp8.debug.records()]
+    assert sorted(seen) == [("dgrad", "gradient"), ("dgrad", "weight"), ("fprop", "activation"),
+                            ("fprop", "weight"), ("wgrad", "activation"), ("wgrad", "gradient")]
+
+
+def test_each_initialize_starts_its_log_file_anew(tmp_path):
+    """Two sessions into one log folder: the file holds the last one's records only (it
+    used to append, interleaving step numbers)."""
+    for _ in range(2):
+        tpfp8.debug.initialize(ALL_LOGGED, log_dir=str(tmp_path))
+        run(layer(), torch.randn(16, 32), torch.randn(16, 48))
+        tpfp8.debug.step()
+        run(layer(), torch.randn(16, 32), torch.randn(16, 48))
+    lines = (tmp_path / "tpfp8_debug_rank0.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == tpfp8.debug.records()
+    assert len(lines) == 12
 
 
 def test_rules_select_steps():

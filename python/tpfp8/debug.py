@@ -23,8 +23,13 @@ The config may also be a path to a JSON or YAML file. Statistics are written as 
 parallelism a sharded tensor's statistics are reduced over the group, so they describe the
 whole tensor and are the same on every rank (``scale_inv`` is the largest of the shards',
 ``scale_inv_min`` the smallest). ``overflow_pct`` counts the values the cast clipped: those
-that round above the format's max, not those within rounding of it. A layer with no matching
-rule at a step runs exactly the normal path.
+that round above the format's max, not those within rounding of it (with the scale rebuilt as
+``1 / scale_inv``, so a value within an ulp of that limit may be counted either way). Each
+``initialize`` starts its rank's file anew. A tensor with no elements (a layer no token reached)
+reports ``n`` 0 and no minimum, maximum, mean or std. Reports never change what a layer
+computes or the state it keeps: one that fails (a log folder removed mid-run) is dropped with a
+warning, and a recomputed forward (activation checkpointing) reports nothing again. A layer
+with no matching rule at a step runs exactly the normal path.
 """
 import itertools
 import json
@@ -32,6 +37,7 @@ import logging
 import math
 import os
 import re
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Optional
@@ -70,6 +76,7 @@ class _State:
     step = 0
     log_dir = None
     records = []
+    started = set()  # the files this session has written to (each begun anew)
     matching = {}  # layer name -> matching rules at the current step (a step's regex searches)
     options = {}  # layer handle -> its options at the current step (see options_for)
 
@@ -182,7 +189,7 @@ def initialize(config, log_dir: Optional[str] = None) -> None:
     if log_dir:  # (before anything changes: a log_dir that cannot be made leaves the old rules)
         os.makedirs(log_dir, exist_ok=True)
     _State.rules = parsed
-    _State.step, _State.log_dir, _State.records = 0, log_dir, []
+    _State.step, _State.log_dir, _State.records, _State.started = 0, log_dir, [], set()
     _work_out_options()
 
 
@@ -260,6 +267,18 @@ def _options(layer, handle: int) -> Optional[tuple]:
             handle if logs else -1)
 
 
+# Added to a layer's handle for a recomputed forward (activation checkpointing): its forward
+# GEMM reported when it first ran, but its backward GEMMs report from here (a reentrant
+# checkpoint's first forward ran without autograd, so the recompute is what backward runs).
+_RECOMPUTE = 1 << 40
+
+
+def for_recompute(options: tuple) -> tuple:
+    """`options` (options_for) for a recomputed forward: reporting its backward alone."""
+    handle = options[-1]
+    return options if handle < 0 else (*options[:-1], handle + _RECOMPUTE)
+
+
 def _work_out_options() -> None:
     """Every live layer's options for the new step (the same dict object, updated)."""
     _State.matching = {}
@@ -272,11 +291,20 @@ def _work_out_options() -> None:
 def _report(handle, gemm, tensor, used, original, scale_inv, fmt) -> None:
     """What the ops call for each operand of a logging layer's GEMMs (forward and backward):
     the rules are read here, when the GEMM runs, so a compiled graph reports like eager."""
+    if handle >= _RECOMPUTE:
+        if gemm == "fprop":
+            return
+        handle -= _RECOMPUTE
     layer = _layers.get(handle)
     if layer is None or not _State.rules:
         return
     if (tensor, gemm) in set().union(*(r.log for r in _rules_for(layer))):
-        _log(layer, gemm, tensor, used, original, scale_inv, fmt)
+        try:  # (inside the op, after its amaxes are recorded: it must not fail the call)
+            _log(layer, gemm, tensor, used, original, scale_inv, fmt)
+        except Exception as exc:
+            warnings.warn(f"tpfp8.debug: the {gemm} {tensor} report of {layer.name!r} failed "
+                          f"and was dropped ({type(exc).__name__}: {exc}); the layer's "
+                          f"results are unaffected", RuntimeWarning, stacklevel=2)
 
 
 def _sharded(layer, tensor: str) -> bool:
@@ -310,8 +338,10 @@ def _statistics(used, original, scale_inv, fmt, group) -> dict:
         clipped = Fp8Format(fmt).clipped(original.float() * scale)  # fp32, as the cast
         sums += [(nonzero & (u == 0)).sum(), nonzero.sum(), clipped.sum(), ((u - o) ** 2).sum()]
     sums = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=u.device) for v in sums])
-    # Minima and maxima (with the shards' scale_inv under current scaling, each rank its own).
-    lo, hi = u.min().reshape(1).double(), u.max().reshape(1).double()
+    # Minima and maxima (with the shards' scale_inv under current scaling, each rank its own);
+    # none of an empty shard (a rank, or a layer, no token reached).
+    inf = torch.full((1,), math.inf, dtype=torch.float64, device=u.device)
+    lo, hi = (u.min().reshape(1), u.max().reshape(1)) if u.numel() else (inf, -inf)
     if fp8:
         lo = torch.cat([lo, scale_inv.reshape(1).double()])
         hi = torch.cat([hi, scale_inv.reshape(1).double()])
@@ -321,15 +351,17 @@ def _statistics(used, original, scale_inv, fmt, group) -> dict:
         dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
     s, lo, hi = sums.tolist(), lo.tolist(), hi.tolist()
     n, total, total_sq, l1 = s[:4]
-    mean = total / n
-    out = {"amax": max(abs(lo[0]), abs(hi[0])), "min": lo[0], "max": hi[0],
-           "mean": mean, "std": math.sqrt(max(total_sq / n - mean * mean, 0.0)),
+    out = {"n": int(n), "amax": 0.0, "min": None, "max": None, "mean": None, "std": None,
            "l1_norm": l1, "l2_norm": math.sqrt(total_sq)}
+    if n:
+        mean = total / n
+        out.update(amax=max(abs(lo[0]), abs(hi[0])), min=lo[0], max=hi[0], mean=mean,
+                   std=math.sqrt(max(total_sq / n - mean * mean, 0.0)))
     if fp8:
         under, nonzeros, clipped, sq_err = s[4:]
         out.update(underflow_pct=100.0 * under / max(nonzeros, 1.0),
-                   overflow_pct=100.0 * clipped / n, scale_inv=hi[1], scale_inv_min=lo[1],
-                   mse=sq_err / n)
+                   overflow_pct=100.0 * clipped / max(n, 1.0), scale_inv=hi[1],
+                   scale_inv_min=lo[1], mse=sq_err / n if n else None)
     return out
 
 
@@ -339,8 +371,16 @@ def _write(record: dict) -> None:
     if _State.log_dir:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         path = os.path.join(_State.log_dir, f"tpfp8_debug_rank{rank}.jsonl")
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with open(path, "a" if path in _State.started else "w") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as exc:  # (the records and the logger keep the rest)
+            _State.log_dir = None
+            warnings.warn(f"tpfp8.debug: cannot write {path} ({exc}); the rest of this session "
+                          f"goes to tpfp8.debug.records() and the 'tpfp8.debug' logger only",
+                          RuntimeWarning, stacklevel=2)
+            return
+        _State.started.add(path)
 
 
 _C.set_debug_logger(_report)
