@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tpfp8
+from conftest import state_of
 
 
 class Block(nn.Module):
@@ -133,6 +134,30 @@ def test_inductor_compiles_our_layers_bit_for_bit(device):
         got, want = step(compiled, x, DELAYED), step(eager, x, DELAYED)
         for a, b in zip(got, want):
             assert (a is None and b is None) or torch.equal(a, b), f"step {i}"
+
+
+@pytest.mark.parametrize("bad", ["residual dtype", "residual rows"])
+def test_a_call_the_compiled_mlp_refuses_changes_no_state(bad):
+    """A call fc2 would refuse fails when it is traced, as eager's does before fc1 runs: with
+    its sequence length symbolic, the compiled LayerNormMLP used to run fc1's op, which wrote
+    its amaxes into the FP8 state (inductor writes the buffer in place), and only then fail."""
+    torch.manual_seed(0)
+    mlp = tpfp8.LayerNormMLP(32, 32, normalization="RMSNorm", activation="swiglu")
+    torch._dynamo.reset()
+    compiled = torch.compile(mlp, fullgraph=True, backend="inductor")
+
+    def call(tokens, residual_rows, dtype=torch.float32):
+        x = torch.randn(tokens, 2, 32, requires_grad=True)
+        with tpfp8.fp8_autocast(recipe=DELAYED):
+            return compiled(x, residual=torch.randn(residual_rows, 2, 32).to(dtype))
+    for tokens in (4, 6):  # (the second call makes the token count symbolic)
+        call(tokens, tokens).sum().backward()
+    before = [t.clone() for t in state_of(mlp.fc1)]
+    with pytest.raises(Exception, match="residual"):
+        call(8, 8, torch.bfloat16) if bad == "residual dtype" else call(8, 4)
+    for a, b in zip(state_of(mlp.fc1), before, strict=True):
+        assert torch.equal(a, b)
+    call(10, 10).sum().backward()  # a good call of another length still runs
 
 
 def fused_mlp(device):

@@ -260,8 +260,9 @@ def check_errors(group):
             with tpfp8.fp8_autocast(amax_group=first_only):
                 layer(torch.randn(S // tp, B, K, device=DEVICE))
 
-        cases += [
-            (amax_group_too_small, "must contain the layer's tp_group"),
+        cases += [  # (rank 0 is in the too small group; the others are refused as outside it)
+            (amax_group_too_small, "must contain the layer's tp_group" if dist.get_rank() == 0
+             else "is not in the group"),
             (lambda: tpfp8.Linear(K, N + 1, parallel_mode="column", tp_group=group), "divisible"),
             (lambda: tpfp8.Linear(K + 1, N, parallel_mode="row", tp_group=group), "divisible"),
             (lambda: tpfp8.Linear(K, N, parallel_mode="row", tp_group=group,
@@ -289,9 +290,15 @@ def check_parallel_arguments_refused(group):
     failed later: an AttributeError, a negative size, a shape mismatch differing by rank, or a
     wrong shape returned): a tp_group that is no process group, one this rank is not in, a
     SwiGLU MLP whose hidden size the group does not divide in each half, a 1-D input under
-    sequence parallelism."""
+    sequence parallelism, an fp8_autocast amax_group this rank is not in (a layer without
+    tensor parallelism ran, and the exit failed on that rank alone, its update lost)."""
     tp = dist.get_world_size()
     first_only = dist.new_group([0])  # (every rank takes part in making it)
+
+    def outside_amax_group():
+        layer = tpfp8.Linear(K, N, device=DEVICE)
+        with tpfp8.fp8_autocast(recipe=tpfp8.DelayedScaling(), amax_group=first_only):
+            layer(torch.randn(S, K, device=DEVICE))
     cases = [(lambda: tpfp8.Linear(K, N, parallel_mode="column", tp_group=[0]), TypeError,
               "must be a torch.distributed ProcessGroup"),
              (lambda: tpfp8.Linear(K, N, parallel_mode="column", tp_group=group,
@@ -300,6 +307,7 @@ def check_parallel_arguments_refused(group):
     if dist.get_rank() != 0:
         cases.append((lambda: tpfp8.Linear(K, N, parallel_mode="row", tp_group=first_only),
                       ValueError, "is not in the group"))
+        cases.append((outside_amax_group, ValueError, "amax_group=...): this rank"))
     if tp > 1:
         ffn = 2 * tp + 1  # (no half divisible by the group; at tp 2, 2 * ffn is)
         cases.append((lambda: tpfp8.MLP(K, ffn, activation="swiglu", set_parallel_mode=True,

@@ -58,6 +58,16 @@ def _static(*tensors) -> bool:
     return all(isinstance(d, int) for t in tensors if t is not None for d in t.shape)
 
 
+def _at_hints(t):
+    """`t`, or where its sizes are symbolic a stand-in of their values in the call being traced
+    (the native check reads sizes as integers), without guarding them; None where one has no
+    value (a data-dependent size: the op checks when it runs)."""
+    if t is None or _static(t):
+        return t
+    hints = [d if isinstance(d, int) else d.node.hint for d in t.shape]
+    return None if None in hints else t.new_empty(hints)
+
+
 @torch.library.register_fake("tpfp8::linear_forward")
 def _linear_forward(x, weight, bias, scale, amax_history, cache_rowwise, cache_columnwise,
                     cache_scale_inv, main_grad, scaling, fwd_format, grad_format, epsilon,
@@ -65,19 +75,29 @@ def _linear_forward(x, weight, bias, scale, amax_history, cache_rowwise, cache_c
                     group_name, debug, need_dgrad, need_wgrad, prologue_weight=None,
                     prologue_bias=None, prologue=0, prologue_eps=0.0,
                     keep_prologue_output=False, residual=None):
-    if _static(x, weight, residual):  # (symbolic sizes: the op checks when it runs)
-        _C.check_linear_forward(x, weight, bias, scale, amax_history, cache_rowwise,
-                                cache_columnwise, cache_scale_inv, main_grad, scaling,
-                                fwd_format, grad_format, epsilon, weight_cache,
-                                save_original_input, parallel_mode, sequence_parallel,
-                                group_name, debug, prologue_weight, prologue_bias, prologue,
-                                prologue_eps, residual)
+    # The op's own check, at trace time: a call it would refuse fails to compile instead of
+    # failing in the graph, where an op before it (an MLP's fc1) has written its FP8 state.
+    # Symbolic sizes are checked at their values in this call...
+    tensors = (x, weight, bias, scale, amax_history, cache_rowwise, cache_columnwise,
+               cache_scale_inv, main_grad, prologue_weight, prologue_bias, residual)
+    now = [_at_hints(t) for t in tensors]
+    if all(n is not None or t is None for n, t in zip(now, tensors)):
+        (x_, weight_, bias_, scale_, history_, rowwise_, columnwise_, cache_scale_inv_,
+         main_grad_, prologue_weight_, prologue_bias_, residual_) = now
+        _C.check_linear_forward(x_, weight_, bias_, scale_, history_, rowwise_, columnwise_,
+                                cache_scale_inv_, main_grad_, scaling, fwd_format, grad_format,
+                                epsilon, weight_cache, save_original_input, parallel_mode,
+                                sequence_parallel, group_name, debug, prologue_weight_,
+                                prologue_bias_, prologue, prologue_eps, residual_)
     n, k = weight.shape
     tp = _group_size(group_name) if sequence_parallel else 1
     shape = list(x.shape)
     shape[-1] = n
     if sequence_parallel:
         shape[0] = shape[0] * tp if parallel_mode == _COLUMN else shape[0] // tp
+    if residual is not None:  # ... and the residual's shape guarded: another one recompiles
+        for got, want in zip(residual.shape, shape, strict=True):
+            torch._check(got == want, lambda: "residual must have the output's shape")
     rows = x.numel() // x.shape[-1]
     gathers = parallel_mode == _COLUMN and sequence_parallel
 

@@ -83,8 +83,10 @@ def contains(outer, inner) -> bool:
 def amax_group_for(module_group, sequence_parallel: bool, requested: Optional[object]):
     """The group a module's delayed-scaling amaxes are reduced over: the one fp8_autocast was
     given (it must contain the tensor-parallel group, else the gathered FP8 bytes of ranks
-    would carry different scales), or the tensor-parallel group under sequence parallelism."""
+    would carry different scales), or the tensor-parallel group under sequence parallelism.
+    A group this rank is not in is refused: the exit's reduction could not include it."""
     if requested is not None:
+        check_group(requested, "fp8_autocast(amax_group=...)")
         if module_group is not None and not contains(requested, module_group):
             raise ValueError("fp8_autocast(amax_group=...) must contain the layer's tp_group: "
                              "ranks that gather FP8 data from each other need one scale")
