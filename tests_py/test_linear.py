@@ -506,6 +506,32 @@ def test_swap_linear_and_state_dict():
     fresh.load_state_dict(nn.Linear(32, 64).state_dict())  # plain checkpoints load
 
 
+def test_swap_linear_keeps_the_hooks_of_what_it_replaces():
+    """Forward, pre-forward and backward hooks on a swapped nn.Linear keep running (they were
+    dropped, silently changing a hooked model's output), and their handles still remove them;
+    a forward replaced on the instance (accelerate's hooks) is not kept, with a warning."""
+    model = nn.Sequential(nn.Linear(32, 16))
+    seen = []
+    handles = [model[0].register_forward_hook(lambda m, i, o: o * 2),
+               model[0].register_forward_pre_hook(lambda m, i: seen.append("pre")),
+               model[0].register_full_backward_hook(lambda m, gi, go: seen.append("bwd"))]
+    x = torch.randn(4, 32, requires_grad=True)
+    want = model(x)
+    tpfp8.swap_linear(model)
+    y = model(x)
+    y.sum().backward()
+    torch.testing.assert_close(y, want)  # (tpfp8's GEMM: rounded apart from torch's)
+    assert seen == ["pre", "pre", "bwd"]
+    for handle in handles:
+        handle.remove()
+    torch.testing.assert_close(model(x), want / 2)
+    assert seen == ["pre", "pre", "bwd"]
+    patched = nn.Linear(32, 16)
+    patched.forward = lambda t: t
+    with pytest.warns(UserWarning, match="forward replaced on the instance"):
+        tpfp8.swap_linear(nn.Sequential(patched))
+
+
 def test_swap_linear_keeps_a_tied_layer_one_layer_and_the_training_mode():
     """A Linear at two places (tied) becomes one tpfp8.Linear at both, with one FP8 state (it
     became two layers sharing the parameters, each scaling alone); eval mode stays eval."""

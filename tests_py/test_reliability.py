@@ -631,6 +631,14 @@ def test_fp8_state_loads_into_a_layer_on_meta_and_bad_headers_are_refused():
             other.load_state_dict(bad)
         after = other.state_dict()  # (its weights too: the header is read before them)
         assert all(torch.equal(after[name], before[name]) for name in before)
+    # In a model the error names the layer's entry; so does load_fp8_state's.
+    model = torch.nn.Sequential(torch.nn.GELU(), other)
+    bad = {f"1.{k}": v for k, v in saved.items()}
+    bad["1._extra_state"] = saved["_extra_state"][:-1]
+    with pytest.raises(ValueError, match=r"^1\._extra_state: .* values, expected"):
+        model.load_state_dict(bad)
+    with pytest.raises(ValueError, match=r"^1\._extra_state: .* values, expected"):
+        tpfp8.load_fp8_state(model, bad)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["Linear", "LayerNormMLP"])

@@ -302,7 +302,7 @@ class Linear(nn.Linear):
         # refused before torch copies the parameters, so the layer stays as it was.
         saved = state_dict.setdefault(prefix + "_extra_state", None)
         if saved is not None:
-            self._saved_state(saved)
+            _named_errors(prefix + "_extra_state", self._saved_state, saved)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def __getstate__(self):
@@ -599,6 +599,8 @@ class Linear(nn.Linear):
         call.need_dgrad = grad and (input_needs_grad or self._prologue_needs_grad())
         call.need_wgrad = grad and param.requires_grad
         debug = _debug.options_for(self)
+        if debug and repeated is not None:  # (its forward reported its operands already)
+            debug = _debug.for_recompute(debug)
         scale, _, amax_history, grad_amax_history = state
         if call.new_state and torch.compiler.is_compiling():
             # State made inside a compiled graph cannot be written by its backward: the first
@@ -903,13 +905,22 @@ def _check_full_shape(name: str, given: torch.Tensor, full: tuple,
                          f"layer's single-device (unsharded) shape is {tuple(full)}")
 
 
+# What swap_linear carries from an nn.Linear to its tpfp8.Linear: the hooks around its calls.
+_MODULE_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                 "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+                 "_backward_pre_hooks", "_is_full_backward_hook")
+
+
 def swap_linear(model: nn.Module,
                 filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> nn.Module:
     """Replaces, in place, every ``torch.nn.Linear`` of ``model`` (for which
     ``filter_fn(module, fully_qualified_name)`` is true) by a ``tpfp8.Linear`` holding the same
-    parameters, in the same training mode. A Linear that stands at several places (tied)
-    becomes one ``tpfp8.Linear`` at all of them, named and filtered by its first place. Returns
-    ``model`` (or the new module if ``model`` itself is an nn.Linear)."""
+    parameters, in the same training mode, with its forward and backward hooks (their handles
+    still remove them). A Linear that stands at several places (tied) becomes one
+    ``tpfp8.Linear`` at all of them, named and filtered by its first place. A Linear whose
+    ``forward`` was replaced on the instance (accelerate's offloading hooks) is swapped with a
+    warning: the new layer runs its own. Returns ``model`` (or the new module if ``model``
+    itself is an nn.Linear)."""
 
     def convert(lin: nn.Linear, name: str) -> Linear:
         new = Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
@@ -917,6 +928,12 @@ def swap_linear(model: nn.Module,
         new.weight = lin.weight
         new.bias = lin.bias
         new._reset_fp8_state()  # on the weight's device
+        for hooks in _MODULE_HOOKS:  # (the same dicts: the handles hold them)
+            setattr(new, hooks, getattr(lin, hooks))
+        if "forward" in lin.__dict__:
+            warnings.warn(f"swap_linear: {name or 'the model'} has its forward replaced on "
+                          f"the instance (e.g. by accelerate's hooks), which the tpfp8.Linear "
+                          f"does not keep; swap before adding such hooks", stacklevel=3)
         return new.train(lin.training)
 
     if type(model) is nn.Linear:
@@ -952,7 +969,7 @@ def load_fp8_state(model: nn.Module, checkpoint) -> int:
         if saved is not None:
             unmatched.discard(key)
             layer = model.get_submodule(name)
-            layer.set_extra_state(saved)
+            _named_errors(key, layer.set_extra_state, saved)
             loaded += layer._fp8_recipe is not None
     if unmatched:
         warnings.warn(
@@ -961,6 +978,15 @@ def load_fp8_state(model: nn.Module, checkpoint) -> int:
             f"e.g. {layers[0] if layers else 'nothing: it has none'}). Load into the model as "
             f"it was saved, before wrapping it (e.g. with PEFT)", stacklevel=2)
     return loaded
+
+
+def _named_errors(key: str, load, saved):
+    """load(saved), its ValueError naming the checkpoint entry it came from (a model has
+    many)."""
+    try:
+        return load(saved)
+    except ValueError as exc:
+        raise ValueError(f"{key}: {exc}") from None
 
 
 def _extra_states_in(folder) -> dict:
