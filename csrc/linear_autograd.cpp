@@ -354,9 +354,11 @@ variable_list residual_grad(Residual r, const at::Tensor& grad, size_t inputs, s
   return out;
 }
 
-// The gradient the norm backward adds to dx (kFolded), where one came.
-OptTensor folded_grad(Residual r, const at::Tensor& grad) {
-  return r == Residual::kFolded && grad.defined() ? OptTensor(grad) : std::nullopt;
+// The gradient the norm backward adds to dx (kFolded), where one came and the layer's (narrowed)
+// backward runs dgrad: where x's gradient is not asked for, there is no dx to add it to.
+OptTensor folded_grad(Residual r, const at::Tensor& grad, const Saved& s) {
+  return r == Residual::kFolded && grad.defined() && s.need_dgrad() ? OptTensor(grad)
+                                                                    : std::nullopt;
 }
 
 struct LinearAutograd : torch::autograd::Function<LinearAutograd> {
@@ -389,10 +391,13 @@ struct LinearAutograd : torch::autograd::Function<LinearAutograd> {
     // fuse_wgrad_accumulation even where the weight's gradient is not asked for: a second
     // backward would reach the weight through .grad, not main_grad.
     const at::Tensor dy = output_grad(grads[0], *s);
-    variable_list out = at::GradMode::is_enabled()
-                            ? differentiable_backward(dy, saved, *s)
-                            : backward_of(dy, saved, *narrowed(s, asked, {0, 1, 2, 3, 4}), grads[1],
-                                          folded_grad(residual, grads[0]));
+    if (at::GradMode::is_enabled()) {
+      variable_list out = differentiable_backward(dy, saved, *s);
+      if (residual == Residual::kPassed) out[kResidual] = grads[0];
+      return out;
+    }
+    const auto n = narrowed(s, asked, {0, 1, 2, 3, 4});
+    variable_list out = backward_of(dy, saved, *n, grads[1], folded_grad(residual, grads[0], *n));
     if (residual == Residual::kPassed) out[kResidual] = grads[0];
     return out;
   }
@@ -496,7 +501,7 @@ struct MlpAutograd : torch::autograd::Function<MlpAutograd> {
     const auto g2 = layer_backward(dy, saved, kSavedPerLayer, *s2, std::nullopt, give);
     place_grads(g2, *s2, out, {-1, 5, 6, -1, -1});  // (forward's w2, b2; fc2's x is internal)
     const OptTensor norm_grad = returned_output_grad(s1->c, grads[1]);
-    const OptTensor input_grad = folded_grad(residual, grads[0]);
+    const OptTensor input_grad = folded_grad(residual, grads[0], *s1);
     if (!s2->need_dx) return out;
     BackwardOutputs g1;
     if (give.rowwise || give.columnwise) {

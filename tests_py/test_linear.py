@@ -517,7 +517,9 @@ def test_swap_linear_keeps_the_hooks_of_what_it_replaces():
                model[0].register_full_backward_hook(lambda m, gi, go: seen.append("bwd"))]
     x = torch.randn(4, 32, requires_grad=True)
     want = model(x)
+    old = model[0]
     tpfp8.swap_linear(model)
+    assert not old._forward_hooks and not old._forward_pre_hooks  # (moved, not shared)
     y = model(x)
     y.sum().backward()
     torch.testing.assert_close(y, want)  # (tpfp8's GEMM: rounded apart from torch's)

@@ -272,6 +272,26 @@ def test_the_residual_gradient_alone_leaves_the_layer_alone(recipe, make):
     assert_same(sum([state_of(m) for m in modules], []), before)
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("make", [lambda: tpfp8.LayerNormLinear(64, 64),
+                                  lambda: tpfp8.LayerNormMLP(64, 32)],
+                         ids=["LayerNormLinear", "LayerNormMLP"])
+def test_a_weight_gradient_alone_of_a_folded_block(recipe, make):
+    """A pre-norm block with residual=x asked for a weight's gradient alone (a zero-bubble
+    pipeline's weight pass, backward(inputs=[w])): the weight gets the full backward's
+    gradient, and the skip connection's gradient, which only dx would take, is not added (its
+    backward used to refuse it once x's gradient was no longer computed)."""
+    torch.manual_seed(0)
+    layer = make()
+    weight = layer.weight if isinstance(layer, tpfp8.Linear) else layer.fc1.weight
+    x = torch.randn(16, 64, requires_grad=True)
+    with tpfp8.fp8_autocast(enabled=RECIPES[recipe] is not None, recipe=RECIPES[recipe]):
+        y = layer(x, residual=x)
+    (alone,) = torch.autograd.grad(linear_loss(y), [weight], retain_graph=True)
+    (full, _) = torch.autograd.grad(linear_loss(y), [weight, x])
+    assert torch.equal(alone, full)
+
+
 def test_a_residual_off_16_byte_alignment_gives_the_aligned_result(device):
     """(An offset view, as a slice of a larger tensor is: on the GPU the layer copies it first,
     as FP8 cuBLASLt kernels want aligned matrices.)"""

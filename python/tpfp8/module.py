@@ -2,6 +2,7 @@
 ``fp8_autocast``. All math and autograd happen in C++ (the op torch.ops.tpfp8.linear over
 linear_forward / linear_backward, csrc/linear_autograd.cpp); this file holds the module's
 parameters, FP8 state (as buffers) and frozen config, and makes the op's arguments."""
+import collections
 import copy
 import glob
 import json
@@ -928,8 +929,10 @@ def swap_linear(model: nn.Module,
         new.weight = lin.weight
         new.bias = lin.bias
         new._reset_fp8_state()  # on the weight's device
-        for hooks in _MODULE_HOOKS:  # (the same dicts: the handles hold them)
+        for hooks in _MODULE_HOOKS:  # (moved, not shared: the handles hold these dicts)
             setattr(new, hooks, getattr(lin, hooks))
+            setattr(lin, hooks, None if hooks == "_is_full_backward_hook" else
+                    collections.OrderedDict())
         if "forward" in lin.__dict__:
             warnings.warn(f"swap_linear: {name or 'the model'} has its forward replaced on "
                           f"the instance (e.g. by accelerate's hooks), which the tpfp8.Linear "
