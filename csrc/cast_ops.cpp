@@ -62,6 +62,11 @@ void run_cast_transpose(CastParams& p, const at::Tensor& input, const OptTensor&
                         const OptTensor& dbias) {
   TORCH_CHECK_VALUE(rowwise.has_value() || columnwise.has_value(),
                     "cast_transpose needs at least one of rowwise / columnwise outputs");
+  check_no_overlap({{"input", input},
+                    {"rowwise", rowwise},
+                    {"columnwise", columnwise},
+                    {"scale_inv", scale_inv},
+                    {"dbias", dbias}});
   p.rowwise = optional_fp8_out(rowwise, "rowwise", {p.rows, p.cols}, input);
   p.columnwise = optional_fp8_out(columnwise, "columnwise", {p.cols, p.rows}, input);
   p.scale_inv = optional_f32(scale_inv, "scale_inv", input);
@@ -74,6 +79,7 @@ void quantize(const at::Tensor& input, const at::Tensor& scale, at::Tensor& out,
               const OptTensor& amax, const OptTensor& scale_inv, int64_t fp8_format) {
   CastParams p = cast_params(input, scale, fp8_format);
   check_output(out, "out", input.sizes(), at::kByte, input);
+  check_no_overlap({{"input", input}, {"out", out}, {"amax", amax}, {"scale_inv", scale_inv}});
   p.rowwise = out.data_ptr<uint8_t>();
   p.amax = optional_f32(amax, "amax", input);
   p.scale_inv = optional_f32(scale_inv, "scale_inv", input);
@@ -85,6 +91,7 @@ void cast_transpose(const at::Tensor& input, const at::Tensor& scale, const OptT
                     int64_t fp8_format, const OptTensor& dbias) {
   CastParams p = cast_params(input, scale, fp8_format);
   p.amax = optional_f32(amax, "amax", input);
+  check_no_overlap({{"amax", amax}, {"scale_inv", scale_inv}});
   run_cast_transpose(p, input, rowwise, columnwise, scale_inv, dbias);
 }
 
@@ -120,6 +127,7 @@ void transpose_fp8(const at::Tensor& input, at::Tensor& out) {
   check_fp8_storage(input, "input");
   const int64_t rows = input.size(0), cols = input.size(1);
   check_output(out, "out", {cols, rows}, at::kByte, input);
+  check_no_overlap({{"input", input}, {"out", out}});
   const uint8_t* in = input.data_ptr<uint8_t>();
   uint8_t* o = out.data_ptr<uint8_t>();
   run_on_device(
@@ -134,6 +142,7 @@ void dequantize(const at::Tensor& input, const at::Tensor& scale_inv, int64_t fp
   DequantizeParams p;
   p.out_dtype = high_precision_dtype(out, "out");
   check_output(out, "out", input.sizes(), out.scalar_type(), input);
+  check_no_overlap({{"input", input}, {"out", out}});
   p.input = input.data_ptr<uint8_t>();
   p.numel = input.numel();
   p.format = fp8_format_from(fp8_format);

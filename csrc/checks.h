@@ -2,6 +2,7 @@
 // was given, what is needed and how to fix it.
 #pragma once
 
+#include <ATen/MemoryOverlap.h>
 #include <torch/types.h>
 
 #include <string>
@@ -78,6 +79,22 @@ inline void check_output(const at::Tensor& out, const char* name, at::IntArrayRe
                     shape_str(out), "; allocate it with that shape and dtype or pass None");
   check_contiguous(out, name);
   check_same_device(out, ref, name, "input");
+}
+
+// Tensors an op reads and writes must not share memory (a transpose into its own input, one
+// buffer given as both outputs, amax and scale_inv in one slot): the kernels would read bytes
+// they had already overwritten, or keep only one of two results. `named`: each (name, tensor or
+// none); views of distinct parts of one buffer are fine.
+inline void check_no_overlap(
+    std::initializer_list<std::pair<const char*, const c10::optional<at::Tensor>>> named) {
+  for (auto a = named.begin(); a != named.end(); ++a) {
+    for (auto b = std::next(a); b != named.end(); ++b) {
+      if (!a->second || !b->second || !a->second->defined() || !b->second->defined()) continue;
+      const at::MemOverlapStatus s = at::get_overlap_status(*a->second, *b->second);
+      TORCH_CHECK_VALUE(s != at::MemOverlapStatus::Full && s != at::MemOverlapStatus::Partial,
+                        a->first, " and ", b->first, " share memory; pass separate tensors");
+    }
+  }
 }
 
 // An op's enum argument (schemas take enums as ints): `code` as E, if it is one of E's codes,

@@ -233,6 +233,13 @@ ERRORS = [
      "out must be Byte of shape"),
     (lambda: ops.quantize(torch.zeros(4, 4), torch.ones(1), "e3m4"), "unknown FP8 format"),
     (lambda: ops.dequantize(torch.zeros(4, dtype=torch.int16), torch.ones(1)), "torch.uint8"),
+    (lambda: ops.dequantize(torch.zeros(4, dtype=torch.int8), torch.ones(1)), "torch.uint8"),
+    (lambda: ops.dequantize(torch.zeros(4, 4, dtype=torch.float8_e5m2), torch.ones(1), "e4m3"),
+     "holds E5M2 codes, but format E4M3"),
+    (lambda: ops.gemm(torch.zeros(16, 16, dtype=torch.float8_e4m3fn),
+                      torch.zeros(16, 16, dtype=torch.float8_e5m2), a_scale_inv=torch.ones(1),
+                      b_scale_inv=torch.ones(1), b_format="e4m3"),
+     "holds E5M2 codes, but format E4M3"),
     (lambda: ops.delayed_scaling_update(torch.zeros(4, 2), torch.ones(3), torch.ones(2),
                                         torch.ones(2)), "scale must be Float of shape"),
     (lambda: ops.delayed_scaling_update(torch.zeros(4, 2), torch.ones(2), torch.ones(2),
@@ -289,6 +296,36 @@ def test_rejected_call_leaves_buffers_untouched():
         ops.quantize(torch.zeros(4, 4), torch.ones(1), out=torch.empty(4, 5, dtype=torch.uint8),
                      amax=amax, scale_inv=scale_inv)
     assert amax.item() == 7.0 and scale_inv.item() == 3.0
+
+
+def test_buffers_that_share_memory_are_refused_and_left_untouched():
+    """An output over the input or over another output: the kernels would read bytes they
+    had overwritten, or keep one of two results (a transpose into its own input came back
+    half transposed; amax and scale_inv in one slot lost the amax). Parts of one buffer that
+    do not overlap are fine."""
+    codes = torch.arange(16, dtype=torch.uint8).view(4, 4)
+    with pytest.raises(ValueError, match="input and out share memory"):
+        ops.transpose_fp8(codes, out=codes)
+    assert torch.equal(codes, torch.arange(16, dtype=torch.uint8).view(4, 4))
+    x, both_ = torch.randn(4, 4), torch.zeros(4, 4, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="rowwise and columnwise share memory"):
+        torch.ops.tpfp8.cast_transpose(x, torch.ones(1), both_, both_, None, None, 0, None)
+    assert not both_.any()
+    slot = torch.tensor([5.0])
+    with pytest.raises(ValueError, match="amax and scale_inv share memory"):
+        ops.quantize(x, torch.ones(1), amax=slot, scale_inv=slot)
+    assert slot.item() == 5.0
+    pair = torch.zeros(2)
+    ops.quantize(x * 100, torch.tensor([2.0]), amax=pair[:1], scale_inv=pair[1:])
+    assert pair.tolist() == [float(x.abs().max() * 100), 0.5]
+
+
+def test_a_float8_tensor_is_decoded_as_its_own_format():
+    """dequantize of a float8_e5m2 tensor decodes E5M2 (it used to take the default E4M3: 3.0
+    came back 2.5), as torch's own conversion does; a contrary format is refused."""
+    for dtype in (torch.float8_e5m2, torch.float8_e4m3fn):
+        x = torch.tensor([[3.0, -0.5, 96.0, 0.0]]).to(dtype)
+        assert torch.equal(ops.dequantize(x, torch.ones(1)), x.float())
 
 
 # ---- GPU: the CUDA op gives the CPU op's bytes -------------------------------------------

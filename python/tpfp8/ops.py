@@ -30,7 +30,20 @@ def _scalar(like: torch.Tensor, value: float = 0.0) -> torch.Tensor:
 
 
 def _as_codes(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.uint8 or t.element_size() != 1 else t.view(torch.uint8)
+    """FP8 codes as uint8: a float8 tensor viewed so; anything else as it is (the op refuses
+    what is not uint8)."""
+    return t.view(torch.uint8) if t.dtype in _FP8_DTYPES else t
+
+
+def _format_of(t: torch.Tensor, fp8_format, default=None) -> Optional[Fp8Format]:
+    """The FP8 format `t` holds: a float8 tensor's own (a different `fp8_format` is refused:
+    its bytes would be decoded as the other format), else `fp8_format`, else `default`."""
+    own = _FP8_DTYPES.get(t.dtype)
+    given = None if fp8_format is None else Fp8Format.parse(fp8_format)
+    if own is not None and given is not None and given != own:
+        raise ValueError(f"a {t.dtype} tensor holds {own.name} codes, but format {given.name} "
+                         f"was given; pass its own format or None, or view uint8 codes")
+    return own if own is not None else given if given is not None else default
 
 
 def _cast_outputs(x: torch.Tensor, rowwise: bool, columnwise: bool, scale_inv):
@@ -109,13 +122,15 @@ def transpose_fp8(data: torch.Tensor, out: Optional[torch.Tensor] = None) -> tor
     return out
 
 
-def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, fp8_format="e4m3",
+def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, fp8_format=None,
                dtype: torch.dtype = torch.float32,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Decodes FP8 codes: ``out = round_to(dtype, decode(code) * scale_inv)``."""
+    """Decodes FP8 codes: ``out = round_to(dtype, decode(code) * scale_inv)``. The format is
+    a float8 tensor's own, else ``fp8_format`` (default ``"e4m3"``) for uint8 codes."""
+    fmt = _format_of(data, fp8_format, Fp8Format.E4M3)
     data = _as_codes(data)
     out = torch.empty(data.shape, dtype=dtype, device=data.device) if out is None else out
-    _ops.dequantize(data, scale_inv, int(Fp8Format.parse(fp8_format)), out)
+    _ops.dequantize(data, scale_inv, int(fmt), out)
     return out
 
 
@@ -303,10 +318,9 @@ _FP8_DTYPES = {getattr(torch, name): fmt for name, fmt in
 
 
 def _gemm_type(t: torch.Tensor, fp8_format) -> int:
-    if fp8_format is None and t.dtype in _FP8_DTYPES:
-        fp8_format = _FP8_DTYPES[t.dtype]
-    if fp8_format is not None:
-        return Fp8Format.parse(fp8_format).gemm_type
+    fmt = _format_of(t, fp8_format)
+    if fmt is not None:
+        return fmt.gemm_type
     if t.dtype == torch.uint8:
         raise ValueError("uint8 GEMM operand: say which FP8 format it holds "
                          "(a_format= / b_format= 'e4m3' or 'e5m2')")
