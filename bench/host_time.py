@@ -142,8 +142,8 @@ def primitives(device, size):
     and GEMM ops, the delayed-scaling update (of one module, and of `_MANY` at once), and the
     Linear's forward op alone."""
     x = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    u8 = torch.empty(size, size, device=device, dtype=torch.uint8)
-    one = torch.ones(1, device=device)
+    u8, u8_t = (torch.empty(size, size, device=device, dtype=torch.uint8) for _ in range(2))
+    one, amax = torch.ones(1, device=device), torch.zeros(1, device=device)
     ours = tpfp8.Linear(size, size, bias=False, device=device, dtype=torch.bfloat16)
     many = [tpfp8.Linear(size, size, bias=False, device=device, dtype=torch.bfloat16)
             for _ in range(_MANY)]
@@ -158,7 +158,7 @@ def primitives(device, size):
         "torch.empty": lambda: torch.empty(size, size, device=device),
         "torch.mm bf16": lambda: torch.mm(x, x),
         "tpfp8 cast_transpose op": lambda: torch.ops.tpfp8.cast_transpose(
-            x, one, u8, u8, one, one, 0),
+            x, one, u8, u8_t, amax, one, 0),  # (outputs apart: the op refuses overlap)
         "tpfp8 FP8 gemm op": lambda: gemm(u8, u8, x, one, one, 3, 3, None, False, True, False,
                                           False),
         "delayed-scaling update (1 module)": lambda: tpfp8.scaling.update([ours]),
